@@ -1,0 +1,643 @@
+"""The TieredPrefixCache API (kvtier.dev/v1alpha1): the single source of truth.
+
+The CRD schema (crds/), the validating webhook, `kvtier render` and the docs are all
+derived from these models. Field descriptions become `kubectl explain` text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from croniter import croniter
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from kvtier_operator import API_VERSION, KIND
+from kvtier_operator.durations import duration_seconds
+from kvtier_operator.quantity import normalize_quantity, quantity_bytes
+
+QUANTITY_PATTERN = r"^(\+)?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(normalize_quantity),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+
+# Mount points that would shadow the container's own system directories.
+SYSTEM_PATHS = (
+    "/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/root",
+    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=True,
+    )
+
+
+class Connector(StrEnum):
+    native = "native"
+    lmcache = "lmcache"
+
+
+class StorageBackend(StrEnum):
+    kvtier = "kvtier"
+    vllm_fs = "vllm-fs"
+
+
+class DeletePolicy(StrEnum):
+    Retain = "Retain"
+    Delete = "Delete"
+
+
+class RolloutPolicy(StrEnum):
+    Auto = "Auto"
+    Manual = "Manual"
+
+
+class CapacitySource(StrEnum):
+    Filesystem = "Filesystem"
+    ClaimSize = "ClaimSize"
+
+
+# ---------------------------------------------------------------- selector
+
+
+class LabelSelectorRequirement(ApiModel):
+    key: str = Field(min_length=1, description="Label key the requirement applies to.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="In, NotIn, Exists or DoesNotExist."
+    )
+    values: list[str] | None = Field(
+        default=None,
+        description="Values for In and NotIn; must be empty for Exists and DoesNotExist.",
+    )
+
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> LabelSelectorRequirement:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs at least one value in values")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values; remove values")
+        return self
+
+
+class LabelSelector(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(has(self.matchLabels) && size(self.matchLabels) > 0)"
+                    " || (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+                    "message": "spec.selector must select something: set matchLabels "
+                    "(e.g. llm-d.ai/role: decode) or matchExpressions",
+                }
+            ]
+        }
+    )
+    match_labels: dict[str, str] | None = Field(
+        default=None, description="Pods whose labels contain all of these key/value pairs."
+    )
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, description="Set-based label requirements; all must hold."
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> LabelSelector:
+        if not self.match_labels and not self.match_expressions:
+            raise ValueError(
+                "the selector is empty and would select every pod; set matchLabels "
+                "(e.g. llm-d.ai/role: decode) or matchExpressions"
+            )
+        return self
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        for key, value in (self.match_labels or {}).items():
+            if labels.get(key) != value:
+                return False
+        for req in self.match_expressions or []:
+            present = req.key in labels
+            if req.operator == "In" and labels.get(req.key) not in (req.values or []):
+                return False
+            if req.operator == "NotIn" and present and labels[req.key] in (req.values or []):
+                return False
+            if req.operator == "Exists" and not present:
+                return False
+            if req.operator == "DoesNotExist" and present:
+                return False
+        return True
+
+
+# ------------------------------------------------------------------- model
+
+
+class ModelGeometry(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.kvBytesPerToken) || (has(self.layers) && has(self.kvHeads)"
+                    " && has(self.headDim) && has(self.dtype))",
+                    "message": "spec.model needs kvBytesPerToken, or all of layers, kvHeads, "
+                    "headDim and dtype",
+                }
+            ]
+        }
+    )
+    name: str = Field(
+        min_length=1,
+        description="Model name as vLLM serves it (e.g. Qwen/Qwen3-32B); used by LMCache "
+        "and the router config.",
+    )
+    kv_bytes_per_token: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache bytes one token occupies in one replica, summed over all "
+        "layers and tensor-parallel ranks. Give this, or layers/kvHeads/headDim/dtype.",
+    )
+    layers: int | None = Field(default=None, gt=0, description="Attention layers holding KV.")
+    kv_heads: int | None = Field(
+        default=None, gt=0, description="KV heads per layer (num_key_value_heads)."
+    )
+    head_dim: int | None = Field(default=None, gt=0, description="Dimension of one head.")
+    dtype: Literal["bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = (
+        Field(default=None, description="KV-cache dtype: bfloat16, float16, float32 or fp8*.")
+    )
+
+    @model_validator(mode="after")
+    def _geometry(self) -> ModelGeometry:
+        parts = {"layers": self.layers, "kvHeads": self.kv_heads, "headDim": self.head_dim,
+                 "dtype": self.dtype}
+        given = [k for k, v in parts.items() if v is not None]
+        if given and len(given) < len(parts):
+            missing = ", ".join(k for k in parts if parts[k] is None)
+            raise ValueError(
+                f"incomplete KV geometry: {missing} missing; give all of layers, kvHeads, "
+                "headDim and dtype, or only kvBytesPerToken"
+            )
+        if not given and self.kv_bytes_per_token is None:
+            raise ValueError(
+                "no KV geometry: give kvBytesPerToken, or layers, kvHeads, headDim and dtype"
+            )
+        if given and self.kv_bytes_per_token is not None:
+            computed = self._computed()
+            if computed != self.kv_bytes_per_token:
+                raise ValueError(
+                    f"kvBytesPerToken {self.kv_bytes_per_token} disagrees with "
+                    f"layers x kvHeads x headDim x 2 x dtype bytes = {computed}; "
+                    "fix one or give only one of them"
+                )
+        return self
+
+    def _computed(self) -> int:
+        assert self.layers and self.kv_heads and self.head_dim and self.dtype
+        return self.layers * self.kv_heads * self.head_dim * 2 * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token if self.kv_bytes_per_token is not None else self._computed()
+
+
+# --------------------------------------------------------------------- CPU
+
+
+class CpuTier(ApiModel):
+    size: Quantity = Field(
+        description="CPU RAM tier per replica (vLLM cpu_bytes_to_use), e.g. 100Gi. The pod's "
+        "memory request and /dev/shm grow by this much (see docs/sizing.md)."
+    )
+
+    @property
+    def bytes(self) -> int:
+        return quantity_bytes(self.size)
+
+
+# ----------------------------------------------------------------- storage
+
+
+class ClaimTemplate(ApiModel):
+    size: Quantity = Field(description="Requested capacity of the new PVC, e.g. 9000Gi.")
+    storage_class_name: str | None = Field(
+        default=None,
+        description="StorageClass of the new PVC (e.g. lustre, efs-sc). Omit for the "
+        "cluster's default class; an explicit empty string is refused.",
+    )
+    access_modes: list[
+        Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]
+    ] = Field(
+        default_factory=lambda: ["ReadWriteMany"],
+        min_length=1,
+        description="Access modes of the new PVC. ReadWriteMany lets every replica share it.",
+    )
+    delete_policy: DeletePolicy = Field(
+        default=DeletePolicy.Retain,
+        description="Retain keeps the PVC and its cached KV when the TieredPrefixCache is "
+        "deleted; Delete removes it with the resource.",
+    )
+
+    @field_validator("storage_class_name")
+    @classmethod
+    def _no_empty_class(cls, value: str | None) -> str | None:
+        if value == "":
+            raise ValueError(
+                "an empty storageClassName disables dynamic provisioning; omit it to use "
+                "the default class, or name a class"
+            )
+        return value
+
+
+class StorageTier(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.pvc) != has(self.existingClaim)",
+                    "message": "spec.storage needs exactly one of pvc (a new claim) or "
+                    "existingClaim (the name of one you manage)",
+                },
+                {
+                    "rule": "self.mountPath.startsWith('/')",
+                    "message": "spec.storage.mountPath must be an absolute path such as "
+                    "/mnt/files-storage",
+                },
+            ]
+        }
+    )
+    backend: StorageBackend | None = Field(
+        default=None,
+        description="Who writes the shared files with connector native: kvtier (the "
+        "injected kvtier backend; the default) or vllm-fs (vLLM's built-in fs tier). Leave "
+        "unset with connector lmcache, which writes its own disk files.",
+    )
+    pvc: ClaimTemplate | None = Field(
+        default=None, description="Create a PersistentVolumeClaim for the shared tier."
+    )
+    existing_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Use this existing PVC (never modified or deleted by kvtier).",
+    )
+    mount_path: str = Field(
+        default="/mnt/files-storage",
+        description="Where the volume is mounted in the model-server container.",
+    )
+    block_size: int = Field(
+        default=256,
+        ge=16,
+        multiple_of=16,
+        description="Tokens per offloaded file (vLLM block_size): a positive multiple of 16 "
+        "and of the GPU block size.",
+    )
+    read_threads: int = Field(default=16, ge=1, le=256, description="Parallel file readers.")
+    write_threads: int = Field(default=16, ge=1, le=256, description="Parallel file writers.")
+    max_size_per_replica: Quantity | None = Field(
+        default=None,
+        description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
+        "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
+    )
+
+    @field_validator("mount_path")
+    @classmethod
+    def _mount_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} is not absolute; use e.g. /mnt/files-storage")
+        normal = posixpath.normpath(value)
+        for system in SYSTEM_PATHS:
+            if normal == system or (system != "/" and normal.startswith(system + "/")):
+                raise ValueError(
+                    f"{value!r} would shadow the container's {system}; use a path of "
+                    "its own such as /mnt/files-storage"
+                )
+        return normal
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> StorageTier:
+        if self.pvc is not None and self.existing_claim is not None:
+            raise ValueError(
+                "pvc and existingClaim are mutually exclusive; keep pvc to let kvtier create "
+                "the claim, or existingClaim to use yours"
+            )
+        if self.pvc is None and self.existing_claim is None:
+            raise ValueError("needs pvc (a new claim) or existingClaim (the name of yours)")
+        return self
+
+
+# ---------------------------------------------------------------- eviction
+
+
+class Eviction(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.lowWatermark < self.highWatermark",
+                    "message": "spec.eviction.lowWatermark must be below highWatermark",
+                },
+                {
+                    "rule": "self.inodeLowWatermark < self.inodeHighWatermark",
+                    "message": "spec.eviction.inodeLowWatermark must be below inodeHighWatermark",
+                },
+            ]
+        }
+    )
+    schedule: str = Field(
+        default="*/5 * * * *",
+        description="Cron schedule of the evictor CronJob (five fields or @hourly etc.).",
+    )
+    high_watermark: int = Field(
+        default=85, ge=1, le=100, description="Start evicting above this % of bytes used."
+    )
+    low_watermark: int = Field(
+        default=70, ge=0, le=99, description="Evict until bytes used fall below this %."
+    )
+    inode_high_watermark: int = Field(
+        default=90, ge=1, le=100, description="Start evicting above this % of inodes used."
+    )
+    inode_low_watermark: int = Field(
+        default=80, ge=0, le=99, description="Evict until inodes used fall below this %."
+    )
+    min_idle: str = Field(
+        default="10m",
+        pattern=r"^([0-9]+(h|m|s))+$",
+        description="Never delete a file used more recently than this (e.g. 10m, 1h).",
+    )
+    capacity: CapacitySource = Field(
+        default=CapacitySource.Filesystem,
+        description="Filesystem: usage from statvfs. ClaimSize: usage against the PVC's size, "
+        "for filesystems whose statvfs reports a whole shared export (NFS, EFS, Lustre).",
+    )
+    suspend: bool = Field(default=False, description="Suspend the evictor CronJob.")
+    fs_group: int | None = Field(
+        default=None,
+        ge=0,
+        description="fsGroup of the evictor pod, so it may delete files the model servers "
+        "wrote (match the model servers' group).",
+    )
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        macros = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+        if value.strip() in macros:
+            return value.strip()
+        if len(value.split()) != 5 or not croniter.is_valid(value):
+            raise ValueError(
+                f"{value!r} is not a five-field cron schedule; write e.g. '*/5 * * * *' or @hourly"
+            )
+        return value
+
+    @field_validator("min_idle")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        duration_seconds(value)
+        return value
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> Eviction:
+        if not self.low_watermark < self.high_watermark:
+            raise ValueError(
+                f"lowWatermark {self.low_watermark} must be below highWatermark "
+                f"{self.high_watermark} (0 < low < high <= 100); lower lowWatermark"
+            )
+        if self.low_watermark <= 0:
+            raise ValueError("lowWatermark must be above 0 (0 < low < high <= 100)")
+        if not self.inode_low_watermark < self.inode_high_watermark:
+            raise ValueError(
+                f"inodeLowWatermark {self.inode_low_watermark} must be below "
+                f"inodeHighWatermark {self.inode_high_watermark}; lower inodeLowWatermark"
+            )
+        return self
+
+    @property
+    def min_idle_seconds(self) -> int:
+        return duration_seconds(self.min_idle)
+
+
+# ------------------------------------------------------------------ router
+
+
+class Router(ApiModel):
+    enabled: bool = Field(
+        default=False,
+        description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
+    )
+    config_map_name: str | None = Field(
+        default=None, description="Name of that ConfigMap; default <name>-router."
+    )
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        description="Tokens per router prefix block (the EPP's blockSizeTokens); the CPU "
+        "lruCapacityPerServer is computed with it.",
+    )
+
+
+# -------------------------------------------------------------------- spec
+
+
+class TieredPrefixCacheSpec(ApiModel):
+    selector: LabelSelector = Field(
+        description="Selects the model-server pods in this namespace to give the cache to."
+    )
+    container_name: str | None = Field(
+        default=None,
+        description="Container running vLLM; default: the one whose command runs vllm serve.",
+    )
+    model: ModelGeometry = Field(description="The served model and its KV geometry.")
+    connector: Connector = Field(
+        default=Connector.native,
+        description="native (vLLM OffloadingConnector) or lmcache (LMCacheConnectorV1).",
+    )
+    cpu: CpuTier = Field(description="The CPU RAM tier of each replica.")
+    storage: StorageTier | None = Field(
+        default=None, description="Optional shared-filesystem tier behind the CPU tier."
+    )
+    eviction: Eviction = Field(
+        default_factory=Eviction,
+        description="The evictor CronJob that keeps the shared volume under its watermarks.",
+    )
+    router: Router = Field(default_factory=Router, description="llm-d router config rendering.")
+    rollout: RolloutPolicy = Field(
+        default=RolloutPolicy.Manual,
+        description="Pods already running without the current config: Auto restarts their "
+        "workload one at a time; Manual only reports them as pending.",
+    )
+    hash_seed: int | None = Field(
+        default=None,
+        ge=0,
+        le=4294967295,
+        description="PYTHONHASHSEED for every selected pod; default derived from the "
+        "namespace and name. Give two caches the same seed to share files.",
+    )
+
+    @model_validator(mode="after")
+    def _cross(self) -> TieredPrefixCacheSpec:
+        s = self.storage
+        if s is None:
+            return self
+        if self.connector == Connector.lmcache:
+            if s.backend is not None:
+                raise ValueError(
+                    "storage.backend must be unset with connector lmcache, which writes its "
+                    "own disk files; remove backend or use connector native"
+                )
+            if s.existing_claim is not None and s.max_size_per_replica is None:
+                raise ValueError(
+                    "storage.maxSizePerReplica is required with connector lmcache and "
+                    "existingClaim (kvtier cannot know the claim's size); set e.g. 500Gi"
+                )
+        elif s.max_size_per_replica is not None:
+            raise ValueError(
+                "storage.maxSizePerReplica applies to connector lmcache only; remove it "
+                "(the evictor bounds the native tiers)"
+            )
+        if self.eviction.capacity == CapacitySource.ClaimSize and s.pvc is None:
+            raise ValueError(
+                "eviction.capacity ClaimSize measures usage against storage.pvc.size, but "
+                "existingClaim has no size kvtier knows; use capacity Filesystem or pvc"
+            )
+        return self
+
+    @property
+    def storage_backend(self) -> StorageBackend | None:
+        """The effective backend: kvtier by default for native, None for lmcache."""
+        if self.storage is None or self.connector == Connector.lmcache:
+            return None
+        return StorageBackend(self.storage.backend or StorageBackend.kvtier)
+
+
+# ------------------------------------------------------------------ status
+
+
+class Condition(ApiModel):
+    type: str = Field(description="Ready, StorageReady, Injected or EvictorHealthy.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word saying why.")
+    message: str = Field(default="", description="What happened and what to do, for people.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this condition describes."
+    )
+
+
+class ClaimStatus(ApiModel):
+    name: str = Field(description="The PVC's name.")
+    phase: str | None = Field(default=None, description="Pending, Bound or Lost.")
+    capacity: str | None = Field(default=None, description="Capacity reported by the PVC.")
+
+
+class UsageStatus(ApiModel):
+    percent: float | None = Field(default=None, description="Bytes used, % of capacity.")
+    inode_percent: float | None = Field(default=None, description="Inodes used, %.")
+    used_bytes: int | None = Field(default=None, description="Bytes used.")
+    capacity_bytes: int | None = Field(default=None, description="Capacity in bytes.")
+    observed_at: str | None = Field(default=None, description="When this was measured.")
+
+
+class EvictionStatus(ApiModel):
+    time: str | None = Field(default=None, description="When the run finished (RFC 3339).")
+    outcome: str | None = Field(
+        default=None,
+        description="nothing-to-do, freed, above-low-watermark or error (the evictor's "
+        "exit outcome).",
+    )
+    files_deleted: int | None = Field(default=None, description="Block files deleted.")
+    bytes_freed: int | None = Field(default=None, description="Bytes freed.")
+    temp_files_reaped: int | None = Field(default=None, description="Stale temp files removed.")
+    usage_before: float | None = Field(default=None, description="Bytes used before, %.")
+    usage_after: float | None = Field(default=None, description="Bytes used after, %.")
+    duration_seconds: float | None = Field(default=None, description="How long the run took.")
+    errors: int | None = Field(default=None, description="Errors during the run.")
+    job: str | None = Field(default=None, description="The Job that ran.")
+
+
+class TieredPrefixCacheStatus(ApiModel):
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation last reconciled."
+    )
+    conditions: list[Condition] | None = Field(
+        default=None, description="Ready, StorageReady, Injected and EvictorHealthy."
+    )
+    config_hash: str | None = Field(
+        default=None, description="Hash of the pod configuration pods must carry."
+    )
+    pvc: ClaimStatus | None = Field(default=None, description="The shared-tier claim.")
+    injected_pods: int | None = Field(
+        default=None, description="Selected pods carrying the current configuration."
+    )
+    pending_pods: int | None = Field(
+        default=None, description="Selected pods running without the current configuration."
+    )
+    usage: UsageStatus | None = Field(default=None, description="Shared volume usage.")
+    last_eviction: EvictionStatus | None = Field(
+        default=None, description="Summary of the latest evictor run."
+    )
+
+
+class ObjectMeta(ApiModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    namespace: str = "default"
+    generation: int | None = None
+    uid: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_fits(cls, value: str) -> str:
+        # CronJob names are capped at 52 characters and kvtier adds "-evictor".
+        if len(value) > 44:
+            raise ValueError(
+                f"{value!r} is {len(value)} characters; at most 44 fit kvtier's object "
+                "names (<name>-evictor is a CronJob, capped at 52): shorten it"
+            )
+        return value
+
+
+class TieredPrefixCache(ApiModel):
+    api_version: Literal["kvtier.dev/v1alpha1"] = Field(default=API_VERSION)
+    kind: Literal["TieredPrefixCache"] = Field(default=KIND)
+    metadata: ObjectMeta
+    spec: TieredPrefixCacheSpec
+    status: TieredPrefixCacheStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+    @property
+    def hash_seed(self) -> int:
+        if self.spec.hash_seed is not None:
+            return self.spec.hash_seed
+        digest = hashlib.sha256(f"{self.namespace}/{self.name}".encode()).digest()
+        return int.from_bytes(digest[:4], "big")
+
+
+def spec_fingerprint(spec: TieredPrefixCacheSpec) -> str:
+    """Stable short hash of a spec's JSON form (sorted keys)."""
+    doc: dict[str, Any] = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,110 @@
+"""The evictor CronJob that keeps the shared volume under its watermarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier_operator.models import CapacitySource, Connector, TieredPrefixCache
+from kvtier_operator.quantity import quantity_bytes
+from kvtier_operator.render import names
+from kvtier_operator.render.context import RenderContext
+
+EVICTOR_MOUNT = "/kv-cache"
+EVICTOR_UID = 65532
+
+
+def evictor_layout(tpc: TieredPrefixCache) -> str:
+    """Which file layout the evictor may touch (it never touches anything else)."""
+    if tpc.spec.connector == Connector.lmcache:
+        return "lmcache"
+    backend = tpc.spec.storage_backend
+    assert backend is not None
+    return str(backend)
+
+
+def evictor_args(tpc: TieredPrefixCache) -> list[str]:
+    ev = tpc.spec.eviction
+    storage = tpc.spec.storage
+    assert storage is not None
+    args = [
+        "--root", EVICTOR_MOUNT,
+        "--layout", evictor_layout(tpc),
+        "--high-watermark", str(ev.high_watermark),
+        "--low-watermark", str(ev.low_watermark),
+        "--inode-high-watermark", str(ev.inode_high_watermark),
+        "--inode-low-watermark", str(ev.inode_low_watermark),
+        "--min-idle-seconds", str(ev.min_idle_seconds),
+        "--termination-log", "/dev/termination-log",
+    ]
+    if ev.capacity == CapacitySource.ClaimSize:
+        if storage.pvc is not None:
+            args += ["--capacity-bytes", str(quantity_bytes(storage.pvc.size))]
+    return args
+
+
+def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any] | None:
+    storage = tpc.spec.storage
+    claim = names.claim_name(tpc)
+    if storage is None or claim is None:
+        return None
+    ev = tpc.spec.eviction
+    pod_security: dict[str, Any] = {
+        "runAsNonRoot": True,
+        "runAsUser": EVICTOR_UID,
+        "runAsGroup": EVICTOR_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if ev.fs_group is not None:
+        pod_security["fsGroup"] = ev.fs_group
+        pod_security["fsGroupChangePolicy"] = "OnRootMismatch"
+    labels = names.owned_labels(tpc, "evictor")
+    container = {
+        "name": "evictor",
+        "image": ctx.evictor_image,
+        "imagePullPolicy": ctx.image_pull_policy,
+        "command": ["kvtier-evictor"],
+        "args": evictor_args(tpc),
+        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": EVICTOR_MOUNT}],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"cpu": "2", "memory": "512Mi"},
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": names.metadata(tpc, names.cronjob_name(tpc), "evictor", owned=True),
+        "spec": {
+            "schedule": ev.schedule,
+            "concurrencyPolicy": "Forbid",
+            "startingDeadlineSeconds": 120,
+            "successfulJobsHistoryLimit": 3,
+            "failedJobsHistoryLimit": 3,
+            "suspend": ev.suspend,
+            "jobTemplate": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "backoffLimit": 0,
+                    "activeDeadlineSeconds": 3600,
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "automountServiceAccountToken": False,
+                            "securityContext": pod_security,
+                            "containers": [container],
+                            "volumes": [{"name": names.VOLUME_CACHE,
+                                         "persistentVolumeClaim": {"claimName": claim}}],
+                        },
+                    },
+                },
+            },
+        },
+    }

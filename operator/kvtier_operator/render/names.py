@@ -1,0 +1,67 @@
+"""Names, labels and annotations kvtier puts on objects: one place, one spelling."""
+
+from __future__ import annotations
+
+from kvtier_operator.models import TieredPrefixCache
+
+PREFIX = "kvtier.dev"
+ANNOTATION_CACHE = f"{PREFIX}/cache"
+ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
+ANNOTATION_RESTARTED_AT = f"{PREFIX}/restartedAt"
+LABEL_CACHE = f"{PREFIX}/cache"
+LABEL_OPT_OUT = f"{PREFIX}/inject"  # "false" on a pod skips injection
+LABEL_COMPONENT = f"{PREFIX}/component"
+FINALIZER = f"{PREFIX}/finalizer"
+
+VOLUME_SHM = "kvtier-shm"
+VOLUME_CACHE = "kvtier-cache"
+VOLUME_SITE = "kvtier-site"
+INIT_CONTAINER = "kvtier-offload-install"
+SITE_MOUNT = "/opt/kvtier/site"
+SHM_MOUNT = "/dev/shm"
+
+
+def claim_name(tpc: TieredPrefixCache) -> str | None:
+    storage = tpc.spec.storage
+    if storage is None:
+        return None
+    return storage.existing_claim or f"{tpc.name}-kv-cache"
+
+
+def cronjob_name(tpc: TieredPrefixCache) -> str:
+    return f"{tpc.name}-evictor"
+
+
+def router_configmap_name(tpc: TieredPrefixCache) -> str:
+    return tpc.spec.router.config_map_name or f"{tpc.name}-router"
+
+
+def owned_labels(tpc: TieredPrefixCache, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/managed-by": "kvtier",
+        "app.kubernetes.io/part-of": "kvtier",
+        LABEL_CACHE: tpc.name,
+        LABEL_COMPONENT: component,
+    }
+
+
+def owner_reference(tpc: TieredPrefixCache) -> dict[str, object]:
+    return {
+        "apiVersion": tpc.api_version,
+        "kind": tpc.kind,
+        "name": tpc.name,
+        "uid": tpc.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(tpc: TieredPrefixCache, name: str, component: str, *, owned: bool) -> dict:
+    meta: dict[str, object] = {
+        "name": name,
+        "namespace": tpc.namespace,
+        "labels": owned_labels(tpc, component),
+    }
+    if owned and tpc.metadata.uid:  # offline renders have no uid to point at
+        meta["ownerReferences"] = [owner_reference(tpc)]
+    return meta

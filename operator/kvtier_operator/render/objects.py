@@ -1,0 +1,16 @@
+"""All objects the operator owns for one TieredPrefixCache, in apply order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.pvc import render_pvc
+from kvtier_operator.render.router import render_router_configmap
+
+
+def render_objects(tpc: TieredPrefixCache, ctx: RenderContext) -> list[dict[str, Any]]:
+    rendered = [render_pvc(tpc), render_cronjob(tpc, ctx), render_router_configmap(tpc)]
+    return [obj for obj in rendered if obj is not None]

@@ -1,0 +1,346 @@
+"""Inject a TieredPrefixCache into a model-server pod (or a workload's pod template).
+
+`inject()` is pure: it returns a new pod and never edits the one given. When anything
+would override the user's own settings it changes nothing and lists the conflicts, so
+the caller can report them instead of silently rewriting a pod.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_operator.models import StorageBackend, TieredPrefixCache
+from kvtier_operator.quantity import format_bytes, quantity_bytes
+from kvtier_operator.render import names, sizing
+from kvtier_operator.render.connector import connector_env, kv_transfer_config, kv_transfer_json
+from kvtier_operator.render.context import RenderContext
+
+# How a container starts vLLM's OpenAI server, in any of its spellings.
+_VLLM_ENTRY = re.compile(
+    r"(?:^|[\s;&|/])(vllm\s+serve\b|-m\s+vllm\.entrypoints\.openai\.api_server\b"
+    r"|-m\s+vllm\.entrypoints\.cli\.main\s+serve\b)"
+)
+# Flags that mean the user already configured KV offloading by hand.
+OWN_OFFLOAD_FLAGS = (
+    "--kv-transfer-config",
+    "--kv_transfer_config",
+    "--kv-offloading-backend",
+    "--kv_offloading_backend",
+    "--kv-offloading-size",
+    "--kv_offloading_size",
+)
+_SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
+FORMAT_VERSION = "1"  # bump when injection changes for an unchanged spec
+
+
+@dataclass
+class Injection:
+    pod: dict[str, Any]
+    changed: bool
+    container: str | None
+    config_hash: str
+    conflicts: list[str] = field(default_factory=list)
+
+
+def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
+    """Hash of everything injection puts into a pod for this spec; a pod carrying another
+    hash (or none) is pending a restart."""
+    spec = tpc.spec
+    doc = {
+        "format": FORMAT_VERSION,
+        "kvTransferConfig": kv_transfer_config(tpc),
+        "env": connector_env(tpc),
+        "cpu": spec.cpu.bytes,
+        "claim": names.claim_name(tpc),
+        "mountPath": spec.storage.mount_path if spec.storage else None,
+        "sidecarImage": ctx.sidecar_image if spec.storage_backend == StorageBackend.kvtier
+        else None,
+        "containerName": spec.container_name,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def command_line(container: dict[str, Any]) -> str:
+    return " ".join(str(p) for p in (container.get("command") or []) + (container.get("args") or []))
+
+
+def runs_vllm(container: dict[str, Any]) -> bool:
+    command = [str(p) for p in container.get("command") or []]
+    args = [str(p) for p in container.get("args") or []]
+    words = command + args
+    if words and words[0].rsplit("/", 1)[-1] == "vllm" and len(words) > 1 and words[1] == "serve":
+        return True
+    return bool(_VLLM_ENTRY.search(command_line(container)))
+
+
+def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[dict | None, str]:
+    containers = pod_spec.get("containers") or []
+    wanted = tpc.spec.container_name
+    if wanted:
+        for c in containers:
+            if c.get("name") == wanted:
+                return c, ""
+        have = ", ".join(c.get("name", "?") for c in containers) or "none"
+        return None, (
+            f"no container named {wanted!r} (containers: {have}); fix spec.containerName"
+        )
+    found = [c for c in containers if runs_vllm(c)]
+    if len(found) == 1:
+        return found[0], ""
+    if not found:
+        return None, (
+            "no container runs 'vllm serve' or vLLM's OpenAI server module; set "
+            "spec.containerName to the model-server container"
+        )
+    listed = ", ".join(c.get("name", "?") for c in found)
+    return None, f"several containers run vLLM ({listed}); set spec.containerName"
+
+
+def _shell_script_index(words: list[str]) -> int | None:
+    """Index of the script in a `sh -c SCRIPT` command line, else None."""
+    for i, word in enumerate(words[:-1]):
+        if word == "-c" and i >= 1 and words[i - 1].rsplit("/", 1)[-1] in _SHELLS:
+            return i + 1
+    return None
+
+
+def _add_args(container: dict[str, Any], extra: list[str]) -> None:
+    command = list(container.get("command") or [])
+    args = list(container.get("args") or [])
+    words = command + args
+    script_at = _shell_script_index(words)
+    if script_at is not None:
+        script = words[script_at]
+        match = _VLLM_ENTRY.search(script)
+        if match is not None:
+            # Options go right after the entry point: argparse takes them before the
+            # positional model name, and a multi-line script keeps its continuations.
+            insert = " " + " ".join(shlex.quote(a) for a in extra)
+            script = script[: match.end(1)] + insert + script[match.end(1):]
+            if script_at < len(command):
+                command[script_at] = script
+                container["command"] = command
+            else:
+                args[script_at - len(command)] = script
+                container["args"] = args
+            return
+    container["args"] = args + extra
+
+
+def _memory(resources: dict[str, Any], increase: int) -> None:
+    requests = resources.setdefault("requests", {})
+    limits = resources.get("limits") or {}
+    if "memory" in limits:
+        limits["memory"] = format_bytes(quantity_bytes(limits["memory"]) + increase)
+    if "memory" in requests:
+        requests["memory"] = format_bytes(quantity_bytes(requests["memory"]) + increase)
+    elif "memory" not in limits:
+        # Without a limit the request would default to nothing; with one, Kubernetes
+        # defaults the request to the (raised) limit.
+        requests["memory"] = format_bytes(increase)
+    if not requests:
+        resources.pop("requests")
+
+
+def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: list[str]) -> None:
+    env = container.setdefault("env", [])
+    by_name = {e.get("name"): e for e in env}
+    for name, value in wanted.items():
+        have = by_name.get(name)
+        if have is None:
+            env.append({"name": name, "value": value})
+        elif have.get("value") != value:
+            shown = have.get("value", "<from valueFrom>")
+            hint = " or set spec.hashSeed to it" if name == "PYTHONHASHSEED" else ""
+            conflicts.append(
+                f"container {container.get('name')!r} sets {name}={shown}; kvtier needs "
+                f"{value}: remove it from the pod{hint}"
+            )
+
+
+def _prepend_pythonpath(container: dict[str, Any], conflicts: list[str]) -> None:
+    env = container.setdefault("env", [])
+    for entry in env:
+        if entry.get("name") == "PYTHONPATH":
+            if "valueFrom" in entry:
+                conflicts.append(
+                    f"container {container.get('name')!r} takes PYTHONPATH from valueFrom; "
+                    "kvtier must prepend its package path: set it as a plain value"
+                )
+            elif names.SITE_MOUNT not in entry.get("value", "").split(":"):
+                entry["value"] = f"{names.SITE_MOUNT}:{entry['value']}".rstrip(":")
+            return
+    env.append({"name": "PYTHONPATH", "value": names.SITE_MOUNT})
+
+
+def _mount(container: dict[str, Any], volume: str, path: str, conflicts: list[str],
+           read_only: bool = False) -> None:
+    mounts = container.setdefault("volumeMounts", [])
+    for m in mounts:
+        if m.get("mountPath") == path:
+            if m.get("name") != volume:
+                conflicts.append(
+                    f"container {container.get('name')!r} already mounts volume "
+                    f"{m.get('name')!r} at {path}; remove it or pick another "
+                    "spec.storage.mountPath"
+                )
+            return
+    mount: dict[str, Any] = {"name": volume, "mountPath": path}
+    if read_only:
+        mount["readOnly"] = True
+    mounts.append(mount)
+
+
+def _add_volume(pod_spec: dict[str, Any], volume: dict[str, Any], conflicts: list[str]) -> None:
+    volumes = pod_spec.setdefault("volumes", [])
+    for v in volumes:
+        if v.get("name") == volume["name"]:
+            if v != volume:
+                conflicts.append(f"the pod already has a different volume named {v['name']!r}")
+            return
+    volumes.append(volume)
+
+
+def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixCache,
+         conflicts: list[str]) -> sizing.PodSizing:
+    """Size a memory-backed /dev/shm: resize the pod's own if it has one, else add ours."""
+    for m in container.get("volumeMounts") or []:
+        if m.get("mountPath") != names.SHM_MOUNT:
+            continue
+        volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == m.get("name")),
+                      None)
+        empty_dir = (volume or {}).get("emptyDir")
+        if empty_dir is None or empty_dir.get("medium") != "Memory":
+            conflicts.append(
+                f"container {container.get('name')!r} mounts /dev/shm from volume "
+                f"{m.get('name')!r}, which is not a memory-backed emptyDir; kvtier sizes "
+                "/dev/shm for the CPU tier: remove that mount"
+            )
+            return sizing.pod_sizing(tpc.spec, None)
+        before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
+        result = sizing.pod_sizing(tpc.spec, before)
+        empty_dir["sizeLimit"] = format_bytes(result.shm_bytes)
+        return result
+    result = sizing.pod_sizing(tpc.spec, None)
+    _add_volume(pod_spec, {"name": names.VOLUME_SHM,
+                           "emptyDir": {"medium": "Memory",
+                                        "sizeLimit": format_bytes(result.shm_bytes)}}, conflicts)
+    _mount(container, names.VOLUME_SHM, names.SHM_MOUNT, conflicts)
+    return result
+
+
+def init_container(ctx: RenderContext) -> dict[str, Any]:
+    return {
+        "name": names.INIT_CONTAINER,
+        "image": ctx.sidecar_image,
+        "imagePullPolicy": ctx.image_pull_policy,
+        "command": ["python3", "-m", "kvtier_offload", "install", "--target", names.SITE_MOUNT],
+        "volumeMounts": [{"name": names.VOLUME_SITE, "mountPath": names.SITE_MOUNT}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
+                      "limits": {"memory": "128Mi"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> Injection:
+    """The pod with the cache injected, or the pod unchanged plus the conflicts."""
+    digest = config_hash(tpc, ctx)
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(names.ANNOTATION_CONFIG_HASH) == digest:
+        return Injection(pod=pod, changed=False, container=None, config_hash=digest)
+
+    out = copy.deepcopy(pod)
+    pod_spec = out.setdefault("spec", {})
+    container, why = find_container(tpc, pod_spec)
+    if container is None:
+        return Injection(pod=pod, changed=False, container=None, config_hash=digest,
+                         conflicts=[why])
+    conflicts: list[str] = []
+    line = command_line(container)
+    own = [f for f in OWN_OFFLOAD_FLAGS if re.search(rf"(^|\s){re.escape(f)}(=|\s|$)", line)]
+    if own:
+        conflicts.append(
+            f"container {container.get('name')!r} already passes {', '.join(own)}; kvtier "
+            "will not override hand-made offloading: remove those flags"
+        )
+    spec = tpc.spec
+    _add_args(container, ["--kv-transfer-config", kv_transfer_json(tpc)])
+    _merge_env(container, connector_env(tpc), conflicts)
+    pod_sizing = _shm(pod_spec, container, tpc, conflicts)
+    _memory(container.setdefault("resources", {}), pod_sizing.memory_increase_bytes)
+    claim = names.claim_name(tpc)
+    if spec.storage is not None and claim is not None:
+        _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
+                               "persistentVolumeClaim": {"claimName": claim}}, conflicts)
+        _mount(container, names.VOLUME_CACHE, spec.storage.mount_path, conflicts)
+    if spec.storage_backend == StorageBackend.kvtier:
+        _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
+        _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)
+        _prepend_pythonpath(container, conflicts)
+        inits = pod_spec.setdefault("initContainers", [])
+        if not any(c.get("name") == names.INIT_CONTAINER for c in inits):
+            inits.append(init_container(ctx))
+    if conflicts:
+        return Injection(pod=pod, changed=False, container=container.get("name"),
+                         config_hash=digest, conflicts=conflicts)
+    meta = out.setdefault("metadata", {})
+    meta_annotations = meta.setdefault("annotations", {})
+    meta_annotations[names.ANNOTATION_CACHE] = tpc.name
+    meta_annotations[names.ANNOTATION_CONFIG_HASH] = digest
+    return Injection(pod=out, changed=True, container=container.get("name"), config_hash=digest)
+
+
+# Where each workload kind keeps its pod template(s).
+TEMPLATE_PATHS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "Pod": ((),),
+    "Deployment": (("spec", "template"),),
+    "StatefulSet": (("spec", "template"),),
+    "ReplicaSet": (("spec", "template"),),
+    "DaemonSet": (("spec", "template"),),
+    "Job": (("spec", "template"),),
+    "LeaderWorkerSet": (
+        ("spec", "leaderWorkerTemplate", "leaderTemplate"),
+        ("spec", "leaderWorkerTemplate", "workerTemplate"),
+    ),
+}
+
+
+def inject_workload(tpc: TieredPrefixCache, obj: dict[str, Any],
+                    ctx: RenderContext) -> tuple[dict[str, Any], list[str]]:
+    """Inject into a Pod or every pod template of a workload; (object, conflicts)."""
+    kind = obj.get("kind", "")
+    paths = TEMPLATE_PATHS.get(kind)
+    if paths is None:
+        raise ValueError(
+            f"kind {kind!r} has no pod template kvtier knows; give a Pod or one of "
+            + ", ".join(k for k in TEMPLATE_PATHS if k != "Pod")
+        )
+    out = copy.deepcopy(obj)
+    conflicts: list[str] = []
+    for path in paths:
+        parent: Any = out
+        for key in path[:-1]:
+            parent = parent.get(key) or {}
+        template = parent.get(path[-1]) if path else out
+        if template is None:
+            continue
+        result = inject(tpc, template, ctx)
+        conflicts += result.conflicts
+        if path:
+            parent[path[-1]] = result.pod
+        else:
+            out = result.pod
+    return out, conflicts
