@@ -28,7 +28,9 @@ from kvtier_operator import API_VERSION, KIND
 from kvtier_operator.durations import duration_seconds
 from kvtier_operator.quantity import normalize_quantity, quantity_bytes
 
-QUANTITY_PATTERN = r"^(\+)?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+QUANTITY_PATTERN = (
+    r"^(\+)?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+)
 
 Quantity = Annotated[
     str,

@@ -67,7 +67,8 @@ def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
 
 
 def command_line(container: dict[str, Any]) -> str:
-    return " ".join(str(p) for p in (container.get("command") or []) + (container.get("args") or []))
+    words = (container.get("command") or []) + (container.get("args") or [])
+    return " ".join(str(p) for p in words)
 
 
 def runs_vllm(container: dict[str, Any]) -> bool:

@@ -1,0 +1,160 @@
+"""The generated CRD: up to date, structural, documented, valid apiextensions/v1."""
+
+from __future__ import annotations
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvtier_operator.crd import crd, lint, openapi_schema
+from tests.helpers import BASE_TPC, ROOT, merge
+
+CRD_FILE = ROOT / "crds" / "tieredprefixcaches.kvtier.dev.yaml"
+
+
+def test_committed_crd_is_generated_one():
+    committed = yaml.safe_load(CRD_FILE.read_text())
+    assert committed == crd(), "crds/ is stale: run `make crds` and commit the result"
+
+
+def test_generated_schema_is_structural_and_documented():
+    assert lint(openapi_schema()) == []
+
+
+def test_crd_validates_against_apiextensions_v1():
+    version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate(crd(), version, strict=True)
+
+
+def test_apiextensions_validation_can_fail():
+    broken = crd()
+    broken["spec"]["versions"][0]["served"] = "yes"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_crd_shape():
+    spec = crd()["spec"]
+    assert spec["names"]["shortNames"] == ["tpc"]
+    version = spec["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    for name in ("Ready", "Storage", "Injected", "Usage", "Age"):
+        assert name in columns
+    props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert props["cpu"]["properties"]["size"]["x-kubernetes-int-or-string"] is True
+    assert "type" not in props["cpu"]["properties"]["size"]
+    assert props["storage"]["nullable"] is True
+    assert props["storage"]["properties"]["blockSize"]["multipleOf"] == 16
+    assert props["eviction"]["properties"]["highWatermark"]["maximum"] == 100
+    assert props["eviction"]["properties"]["highWatermark"]["default"] == 85
+    assert props["connector"]["enum"] == ["native", "lmcache"]
+
+
+# One negative case for each rule of the lint: each must be caught.
+@pytest.mark.parametrize(
+    ("node", "needle"),
+    [
+        ({"type": "object", "properties": {"a": {"$ref": "#/x", "description": "d"}}},
+         "$ref is forbidden"),
+        ({"type": "object", "$defs": {}}, "$defs is forbidden"),
+        ({"type": "object", "definitions": {}}, "definitions is forbidden"),
+        ({"type": "string", "const": "x"}, "const is forbidden"),
+        ({"type": "array", "prefixItems": [], "items": {"type": "string"}}, "prefixItems"),
+        ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, "uniqueItems"),
+        ({"type": "object", "patternProperties": {}}, "patternProperties"),
+        ({"type": "null"}, "type null is forbidden"),
+        ({"description": "no type"}, "every node needs a type"),
+        ({"type": "object", "properties": {}, "additionalProperties": False},
+         "mutually exclusive"),
+        ({"type": "integer", "exclusiveMinimum": 0}, "exclusiveMinimum must be a boolean"),
+        ({"type": "array", "items": [{"type": "string"}]}, "items must be one schema"),
+        ({"type": "object", "x-kubernetes-preserve-unknown-fields": False},
+         "must be true or absent"),
+        ({"type": "array", "x-kubernetes-list-type": "map", "items": {"type": "object"}},
+         "needs x-kubernetes-list-map-keys"),
+        ({"type": "object", "anyOf": [{"type": "string"}]}, "type is forbidden inside anyOf"),
+        ({"type": "object", "oneOf": [{"nullable": True}]}, "nullable is forbidden inside oneOf"),
+        ({"type": "object", "properties": {"x": {"type": "object", "properties": {
+            "y": {"type": "string"}}, "description": "d"}}}, "x.y: has no description"),
+    ],
+)
+def test_lint_catches(node, needle):
+    problems = lint(node)
+    assert any(needle in p for p in problems), problems
+
+
+def test_lint_accepts_int_or_string_and_preserve_unknown():
+    assert lint({"x-kubernetes-int-or-string": True}) == []
+    assert lint({"type": "object", "x-kubernetes-preserve-unknown-fields": True}) == []
+
+
+# ------------------------------------------------ CEL rules, evaluated for real
+
+def _rules(schema: dict, path: str = "") -> list[tuple[str, dict]]:
+    found = [(path, r) for r in schema.get("x-kubernetes-validations", [])]
+    for name, sub in (schema.get("properties") or {}).items():
+        found += _rules(sub, f"{path}.{name}" if path else name)
+    return found
+
+
+def _at(doc: dict, path: str) -> dict | None:
+    node = doc
+    for part in path.split("."):
+        node = node.get(part)
+        if node is None:
+            return None
+    return node
+
+
+def _failed_messages(doc: dict) -> list[str]:
+    env = celpy.Environment()
+    failed = []
+    for path, rule in _rules(openapi_schema()):
+        target = _at(doc, path)
+        if target is None:
+            continue
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(target)})):
+            failed.append(rule["message"])
+    return failed
+
+
+def _schema_defaults(doc: dict) -> dict:
+    """The API server applies defaults before CEL runs; mimic that for eviction."""
+    eviction = {"highWatermark": 85, "lowWatermark": 70, "inodeHighWatermark": 90,
+                "inodeLowWatermark": 80}
+    storage = {"mountPath": "/mnt/files-storage"}
+    out = merge(doc, {"spec": {"eviction": {**eviction, **doc["spec"].get("eviction", {})}}})
+    if "storage" in out["spec"]:
+        out["spec"]["storage"] = {**storage, **out["spec"]["storage"]}
+    return out
+
+
+def test_cel_rules_exist_for_cross_field_checks():
+    messages = [r["message"] for _, r in _rules(openapi_schema())]
+    assert len(messages) == 6
+
+
+def test_cel_rules_accept_the_examples():
+    for f in (ROOT / "examples").glob("*.yaml"):
+        doc = yaml.safe_load(f.read_text())
+        if doc["kind"] == "TieredPrefixCache":
+            assert _failed_messages(_schema_defaults(doc)) == [], f.name
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"eviction": {"lowWatermark": 90}}, "lowWatermark must be below highWatermark"),
+        ({"eviction": {"inodeLowWatermark": 95}}, "inodeLowWatermark must be below"),
+        ({"storage": {"existingClaim": "x"}}, "exactly one of pvc"),
+        ({"storage": {"mountPath": "relative"}}, "must be an absolute path"),
+        ({"selector": {"matchLabels": None}}, "must select something"),
+        ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
+    ],
+)
+def test_cel_rules_reject(patch, needle):
+    doc = _schema_defaults(merge(BASE_TPC, {"spec": patch}))
+    assert any(needle in m for m in _failed_messages(doc))

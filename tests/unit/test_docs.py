@@ -1,0 +1,60 @@
+"""Numbers written in docs/ are the numbers the code computes; `make demo` runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvtier_operator import demo
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.quantity import GIB, MIB
+from kvtier_operator.render import sizing
+from tests.helpers import ROOT, tpc_doc
+
+SIZING = (ROOT / "docs" / "sizing.md").read_text()
+LAYERS = {"Llama-3.1-8B": 32, "Qwen3-32B": 64, "Llama-3.3-70B": 80}
+
+
+def _num(cell: str) -> float:
+    return float(re.sub(r"[^0-9.]", "", cell.split("(")[0]))
+
+
+@pytest.mark.parametrize("model", sorted(LAYERS))
+def test_worked_example_row_matches_code(model):
+    row = next(line for line in SIZING.splitlines()
+               if line.startswith(f"| {model} |") and "MiB" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    spec = parse_tpc(tpc_doc({"model": {"name": model, "kvBytesPerToken": None,
+                                        "layers": LAYERS[model], "kvHeads": 8, "headDim": 128,
+                                        "dtype": "bfloat16"}})).spec
+    fresh, resized = sizing.pod_sizing(spec, None), sizing.pod_sizing(spec, 20 * GIB)
+    assert _num(cells[1]) == sizing.chunk_bytes(spec) / MIB
+    assert _num(cells[2]) == sizing.io_buffer_bytes(spec) / GIB
+    assert _num(cells[3]) == fresh.shm_bytes / GIB
+    assert _num(cells[4]) == fresh.memory_increase_bytes / GIB
+    assert _num(cells[5]) == resized.shm_bytes / GIB
+    assert _num(cells[6]) == resized.memory_increase_bytes / GIB
+    assert _num(cells[7]) == sizing.router_lru_capacity(spec)
+
+
+@pytest.mark.parametrize("model", sorted(LAYERS))
+def test_geometry_table_matches_code(model):
+    row = next(line for line in SIZING.splitlines()
+               if line.startswith(f"| {model} |") and "bfloat16" in line)
+    spec = parse_tpc(tpc_doc({"model": {"name": model, "kvBytesPerToken": None,
+                                        "layers": LAYERS[model], "kvHeads": 8, "headDim": 128,
+                                        "dtype": "bfloat16"}})).spec
+    assert _num(row.strip("|").split("|")[-1]) == spec.model.bytes_per_token
+
+
+def test_demo_renders_every_example(capsys):
+    assert demo.main() == 0
+    out = capsys.readouterr().out
+    assert "rendered 5 TieredPrefixCache examples; all valid" in out
+    # the sample Deployment with the Qwen3-32B kvtier example, as docs/sizing.md states
+    section = out.split("native-kvtier.yaml:")[1].split("native-vllm-fs.yaml:")[0]
+    assert "+            memory: 303Gi" in section
+    assert "+            memory: 203Gi" in section
+    assert "+          sizeLimit: 120Gi" in section
+    assert "conflict" not in out

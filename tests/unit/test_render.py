@@ -1,0 +1,404 @@
+"""Pure renderers, field by field, for every connector/storage variant."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+
+import pytest
+
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.quantity import GIB
+from kvtier_operator.render import names, sizing
+from kvtier_operator.render.connector import (
+    KVTIER_TIER_MODULE,
+    KVTIER_TIER_TYPE,
+    connector_env,
+    kv_transfer_config,
+)
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.objects import render_objects
+from kvtier_operator.render.pod import config_hash, inject, inject_workload, runs_vllm
+from kvtier_operator.render.pvc import render_pvc
+from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
+from tests.helpers import example, tpc_doc, vllm_pod
+
+CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+
+
+def tpc(spec=None, **meta):
+    return parse_tpc(tpc_doc(spec, **meta))
+
+
+def env_of(container):
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def kv_flag(container) -> dict:
+    args = container["args"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+# --------------------------------------------------------------------- PVC
+
+def test_pvc_defaults_and_retain():
+    pvc = render_pvc(tpc(uid="u1"))
+    assert pvc["metadata"]["name"] == "cache-kv-cache"
+    assert pvc["metadata"]["namespace"] == "ml"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    assert "storageClassName" not in pvc["spec"]  # cluster default class
+    assert "ownerReferences" not in pvc["metadata"]  # Retain: survives the CR
+
+
+def test_pvc_delete_policy_owns_claim_and_class_is_passed():
+    pvc = render_pvc(tpc({"storage": {"pvc": {"deletePolicy": "Delete",
+                                              "storageClassName": "lustre"}}}, uid="u1"))
+    assert pvc["spec"]["storageClassName"] == "lustre"
+    ref = pvc["metadata"]["ownerReferences"][0]
+    assert ref == {"apiVersion": "kvtier.dev/v1alpha1", "kind": "TieredPrefixCache",
+                   "name": "cache", "uid": "u1", "controller": True, "blockOwnerDeletion": True}
+
+
+def test_no_pvc_for_existing_claim_or_no_storage():
+    assert render_pvc(tpc({"storage": {"pvc": None, "existingClaim": "mine"}})) is None
+    assert render_pvc(tpc({"storage": None})) is None
+
+
+# ------------------------------------------------------- connector config
+
+def test_native_cpu_only():
+    t = tpc({"storage": None})
+    assert kv_transfer_config(t) == {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 100 * GIB},
+    }
+    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
+
+
+def test_native_cpu_plus_vllm_fs():
+    t = tpc({"storage": {"backend": "vllm-fs", "readThreads": 8, "writeThreads": 4,
+                         "blockSize": 512, "mountPath": "/cache"}})
+    extra = kv_transfer_config(t)["kv_connector_extra_config"]
+    assert extra == {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 100 * GIB, "block_size": 512,
+        "secondary_tiers": [{"type": "fs", "root_dir": "/cache", "n_read_threads": 8,
+                             "n_write_threads": 4}],
+    }
+
+
+def test_native_cpu_plus_kvtier():
+    extra = kv_transfer_config(tpc())["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["secondary_tiers"] == [{
+        "type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE,
+        "root_dir": "/mnt/files-storage", "n_read_threads": 16, "n_write_threads": 16,
+    }]
+
+
+def test_lmcache_cpu():
+    t = tpc({"connector": "lmcache", "storage": None, "cpu": {"size": "200G"}})
+    assert kv_transfer_config(t) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    env = connector_env(t)
+    assert env["LMCACHE_LOCAL_CPU"] == "True"
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200.0"
+    assert "LMCACHE_LOCAL_DISK" not in env
+
+
+def test_lmcache_cpu_plus_disk():
+    t = tpc({"connector": "lmcache", "storage": {"pvc": {"size": "1000G"}}})
+    env = connector_env(t)
+    assert env["LMCACHE_LOCAL_DISK"] == "file:///mnt/files-storage/lmcache/"
+    assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "850.0"  # size x highWatermark 85%
+    assert env["LMCACHE_CHUNK_SIZE"] == "256"
+    capped = tpc({"connector": "lmcache", "storage": {"maxSizePerReplica": "500G"}})
+    assert connector_env(capped)["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "500.0"
+
+
+# ----------------------------------------------------------------- sizing
+
+def test_sizing_native_without_shm():
+    s = sizing.pod_sizing(tpc({"storage": None}).spec, None)
+    assert s.shm_bytes == 102 * GIB  # tier + 2Gi base
+    assert s.memory_increase_bytes == 103 * GIB  # shm + 1Gi headroom
+
+
+def test_sizing_native_grows_existing_shm_by_tier():
+    s = sizing.pod_sizing(tpc({"storage": None}).spec, 20 * GIB)
+    assert s.shm_bytes == 120 * GIB
+    assert s.memory_increase_bytes == 101 * GIB
+
+
+def test_sizing_kvtier_counts_io_buffers():
+    spec = tpc().spec  # 32 threads x 256 tokens x 256 KiB = 2 GiB
+    assert sizing.io_buffer_bytes(spec) == 2 * GIB
+    assert sizing.pod_sizing(spec, None).memory_increase_bytes == 105 * GIB
+
+
+def test_sizing_lmcache_keeps_tier_out_of_shm():
+    spec = tpc({"connector": "lmcache", "storage": None}).spec
+    s = sizing.pod_sizing(spec, None)
+    assert s.shm_bytes == 2 * GIB
+    assert s.memory_increase_bytes == 103 * GIB
+
+
+def test_router_capacity_from_geometry():
+    # Qwen3-32B: 256 KiB/token x 16 tokens = 4 MiB per router block; 100 GiB / 4 MiB.
+    assert sizing.router_lru_capacity(tpc().spec) == 25600
+    bigger_blocks = tpc({"router": {"blockSize": 64}}).spec
+    assert sizing.router_lru_capacity(bigger_blocks) == 6400
+
+
+# -------------------------------------------------------------- injection
+
+def test_inject_list_form_field_by_field():
+    t = tpc()
+    pod = vllm_pod(resources={"requests": {"memory": "100Gi"}, "limits": {"memory": "200Gi"}})
+    original = copy.deepcopy(pod)
+    result = inject(t, pod, CTX)
+    assert pod == original, "inject must not edit its input"
+    assert result.changed and not result.conflicts and result.container == "vllm"
+    c = result.pod["spec"]["containers"][0]
+    assert c["args"][:2] == ["Qwen/Qwen3-32B", "--tensor-parallel-size=2"]
+    assert kv_flag(c) == kv_transfer_config(t)
+    env = env_of(c)
+    assert env["PYTHONHASHSEED"] == str(t.hash_seed)
+    assert env["PYTHONPATH"] == names.SITE_MOUNT
+    assert c["resources"]["requests"]["memory"] == "205Gi"
+    assert c["resources"]["limits"]["memory"] == "305Gi"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == names.VOLUME_SHM
+    assert mounts["/mnt/files-storage"]["name"] == names.VOLUME_CACHE
+    assert mounts[names.SITE_MOUNT] == {"name": names.VOLUME_SITE, "mountPath": names.SITE_MOUNT,
+                                        "readOnly": True}
+    volumes = {v["name"]: v for v in result.pod["spec"]["volumes"]}
+    assert volumes[names.VOLUME_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "102Gi"}
+    assert volumes[names.VOLUME_CACHE]["persistentVolumeClaim"] == {"claimName": "cache-kv-cache"}
+    assert volumes[names.VOLUME_SITE] == {"name": names.VOLUME_SITE, "emptyDir": {}}
+    (init,) = result.pod["spec"]["initContainers"]
+    assert init["image"] == "reg/kvtier-offload:1"
+    assert init["command"][-3:] == ["install", "--target", names.SITE_MOUNT]
+    assert init["securityContext"]["runAsNonRoot"] is True
+    assert init["resources"]["limits"]["memory"] == "128Mi"
+    ann = result.pod["metadata"]["annotations"]
+    assert ann == {names.ANNOTATION_CACHE: "cache",
+                   names.ANNOTATION_CONFIG_HASH: config_hash(t, CTX)}
+
+
+def test_inject_vllm_fs_has_no_init_container_or_pythonpath():
+    t = tpc({"storage": {"backend": "vllm-fs"}})
+    c_pod = inject(t, vllm_pod(), CTX).pod
+    assert "initContainers" not in c_pod["spec"]
+    assert "PYTHONPATH" not in env_of(c_pod["spec"]["containers"][0])
+
+
+def test_inject_cpu_only_mounts_no_claim():
+    pod = inject(tpc({"storage": None}), vllm_pod(), CTX).pod
+    vols = {v["name"] for v in pod["spec"]["volumes"]}
+    assert vols == {names.VOLUME_SHM}
+    # no memory request or limit before: the request becomes the increase
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"memory": "103Gi"}}
+
+
+def test_inject_raises_only_existing_limit():
+    pod = vllm_pod(resources={"limits": {"memory": "10Gi", "cpu": "2"}})
+    c = inject(tpc({"storage": None}), pod, CTX).pod["spec"]["containers"][0]
+    assert c["resources"] == {"limits": {"memory": "113Gi", "cpu": "2"}}
+
+
+def test_inject_shell_form_llm_d_style():
+    script = "exec vllm serve \\\n  Qwen/Qwen3-32B \\\n  --tensor-parallel-size=2\n"
+    pod = vllm_pod(command=["/bin/sh", "-c"], args=[script])
+    c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
+    assert len(c["args"]) == 1
+    new = c["args"][0]
+    assert new.startswith("exec vllm serve --kv-transfer-config '")
+    assert new.endswith("\\\n  Qwen/Qwen3-32B \\\n  --tensor-parallel-size=2\n")
+    words = shlex.split(new.replace("\\\n", " "))
+    assert json.loads(words[words.index("--kv-transfer-config") + 1]) == kv_transfer_config(tpc())
+
+
+def test_inject_shell_form_in_command():
+    pod = vllm_pod(command=["bash", "-c", "pip list; vllm serve m --port 8000"], args=None)
+    c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
+    assert c["command"][2].startswith("pip list; vllm serve --kv-transfer-config '")
+
+
+def test_inject_python_module_form():
+    pod = vllm_pod(command=["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                   args=["--model", "m"])
+    c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
+    assert c["args"][:2] == ["--model", "m"] and c["args"][2] == "--kv-transfer-config"
+
+
+def test_inject_resizes_own_memory_shm():
+    pod = vllm_pod(volumeMounts=[{"name": "shm", "mountPath": "/dev/shm"}])
+    pod["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory",
+                                                            "sizeLimit": "20Gi"}}]
+    out = inject(tpc({"storage": None}), pod, CTX).pod
+    assert out["spec"]["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory",
+                                                                   "sizeLimit": "120Gi"}}]
+    assert [m["name"] for m in out["spec"]["containers"][0]["volumeMounts"]] == ["shm"]
+
+
+def test_finds_vllm_container_among_sidecars():
+    pod = vllm_pod()
+    pod["spec"]["containers"].insert(0, {"name": "proxy", "image": "envoy", "args": ["-c", "x"]})
+    result = inject(tpc(), pod, CTX)
+    assert result.container == "vllm"
+    assert "--kv-transfer-config" not in str(result.pod["spec"]["containers"][0])
+
+
+def test_runs_vllm_heuristic():
+    assert runs_vllm({"command": ["vllm", "serve"]})
+    assert runs_vllm({"command": ["/usr/local/bin/vllm"], "args": ["serve", "m"]})
+    assert runs_vllm({"args": ["/bin/sh", "-c", "exec vllm serve m"]})
+    assert runs_vllm({"command": ["python", "-m", "vllm.entrypoints.openai.api_server"]})
+    assert not runs_vllm({"command": ["python", "server.py", "--vllm"]})
+    assert not runs_vllm({"command": ["vllm-router"]})
+
+
+def test_inject_is_idempotent():
+    t = tpc()
+    once = inject(t, vllm_pod(), CTX).pod
+    twice = inject(t, once, CTX)
+    assert not twice.changed and twice.pod == once
+
+
+@pytest.mark.parametrize(
+    ("pod", "spec", "needle"),
+    [
+        (vllm_pod(args=["m", "--kv-transfer-config", "{}"]), {}, "already passes --kv-transfer-config"),
+        (vllm_pod(args=["m", "--kv-offloading-size=10"]), {}, "--kv-offloading-size"),
+        (vllm_pod(command=["sh", "-c", "vllm serve m --kv-offloading-backend native"], args=None),
+         {}, "--kv-offloading-backend"),
+        (vllm_pod(env=[{"name": "PYTHONHASHSEED", "value": "7"}]), {"hashSeed": 8},
+         "sets PYTHONHASHSEED=7; kvtier needs 8: remove it from the pod or set spec.hashSeed"),
+        (vllm_pod(command=["python", "app.py"], args=None), {}, "no container runs 'vllm serve'"),
+        (vllm_pod(), {"containerName": "modelserver"},
+         "no container named 'modelserver' (containers: vllm); fix spec.containerName"),
+        (vllm_pod(volumeMounts=[{"name": "cache", "mountPath": "/mnt/files-storage"}]), {},
+         "already mounts volume 'cache' at /mnt/files-storage"),
+        (vllm_pod(env=[{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {}}}]), {},
+         "takes PYTHONPATH from valueFrom"),
+    ],
+)
+def test_conflicts_leave_pod_untouched(pod, spec, needle):
+    result = inject(tpc(spec), pod, CTX)
+    assert not result.changed
+    assert result.pod == pod
+    assert any(needle in c for c in result.conflicts), result.conflicts
+
+
+def test_conflict_on_non_memory_shm():
+    pod = vllm_pod(volumeMounts=[{"name": "shm", "mountPath": "/dev/shm"}])
+    pod["spec"]["volumes"] = [{"name": "shm", "hostPath": {"path": "/dev/shm"}}]
+    result = inject(tpc(), pod, CTX)
+    assert not result.changed
+    assert "not a memory-backed emptyDir" in result.conflicts[0]
+
+
+def test_matching_pythonhashseed_is_no_conflict_and_pythonpath_is_prepended():
+    t = tpc({"hashSeed": 9})
+    pod = vllm_pod(env=[{"name": "PYTHONHASHSEED", "value": "9"},
+                        {"name": "PYTHONPATH", "value": "/app"}])
+    result = inject(t, pod, CTX)
+    assert result.changed
+    env = env_of(result.pod["spec"]["containers"][0])
+    assert env["PYTHONPATH"] == f"{names.SITE_MOUNT}:/app"
+
+
+def test_config_hash_tracks_what_pods_carry():
+    base = config_hash(tpc(), CTX)
+    assert base == config_hash(tpc(), CTX)
+    assert base != config_hash(tpc({"cpu": {"size": "50Gi"}}), CTX)
+    assert base != config_hash(tpc(), RenderContext(sidecar_image="reg/other:2"))
+    # eviction settings never reach the pod: changing them must not restart model servers
+    assert base == config_hash(tpc({"eviction": {"highWatermark": 95}}), CTX)
+
+
+def test_inject_workloads():
+    dep = example("vllm-deployment.yaml")
+    out, conflicts = inject_workload(tpc(), dep, CTX)
+    assert not conflicts
+    assert kv_flag_in_script(out["spec"]["template"]["spec"]["containers"][0])
+    lws = {"kind": "LeaderWorkerSet", "spec": {"leaderWorkerTemplate": {
+        "leaderTemplate": vllm_pod(), "workerTemplate": vllm_pod()}}}
+    out, conflicts = inject_workload(tpc(), lws, CTX)
+    for role in ("leaderTemplate", "workerTemplate"):
+        c = out["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"][0]
+        assert "--kv-transfer-config" in c["args"]
+    with pytest.raises(ValueError, match="no pod template kvtier knows"):
+        inject_workload(tpc(), {"kind": "Service"}, CTX)
+
+
+def kv_flag_in_script(container) -> bool:
+    return "--kv-transfer-config" in container["args"][0]
+
+
+# ---------------------------------------------------------------- cronjob
+
+def test_cronjob_fields():
+    t = tpc({"eviction": {"schedule": "*/10 * * * *", "highWatermark": 90, "lowWatermark": 60,
+                          "minIdle": "1h", "suspend": True, "fsGroup": 2000}}, uid="u")
+    cj = render_cronjob(t, CTX)
+    assert cj["metadata"]["name"] == "cache-evictor"
+    assert cj["metadata"]["ownerReferences"][0]["uid"] == "u"
+    spec = cj["spec"]
+    assert spec["schedule"] == "*/10 * * * *"
+    assert spec["concurrencyPolicy"] == "Forbid"
+    assert spec["suspend"] is True
+    assert spec["startingDeadlineSeconds"] > 0
+    assert spec["successfulJobsHistoryLimit"] == 3 and spec["failedJobsHistoryLimit"] == 3
+    pod = spec["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroup"] == 2000
+    assert pod["automountServiceAccountToken"] is False  # the evictor needs no API access
+    (c,) = pod["containers"]
+    assert c["image"] == "reg/kvtier:1"
+    assert c["command"] == ["kvtier-evictor"]
+    args = c["args"]
+    flag = dict(zip(args[::2], args[1::2], strict=True))
+    assert flag["--high-watermark"] == "90" and flag["--low-watermark"] == "60"
+    assert flag["--min-idle-seconds"] == "3600"
+    assert flag["--layout"] == "kvtier"
+    assert "--capacity-bytes" not in flag
+    assert c["resources"]["limits"]["memory"] == "512Mi"
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "cache-kv-cache"
+
+
+def test_cronjob_claim_size_mode_and_layouts():
+    cj = render_cronjob(tpc({"eviction": {"capacity": "ClaimSize"}}), CTX)
+    args = cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--capacity-bytes") + 1] == str(1024**4)
+    fs = render_cronjob(tpc({"storage": {"backend": "vllm-fs"}}), CTX)
+    assert "vllm-fs" in fs["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert render_cronjob(tpc({"storage": None}), CTX) is None
+
+
+# ----------------------------------------------------------------- router
+
+def test_router_config():
+    assert render_router_configmap(tpc()) is None
+    cm = render_router_configmap(tpc({"router": {"enabled": True, "configMapName": "epp"}}))
+    assert cm["metadata"]["name"] == "epp"
+    cfg = endpoint_picker_config(tpc({"router": {"enabled": True}}))
+    cpu = next(p for p in cfg["plugins"] if p.get("name") == "cpu-prefix-cache-producer")
+    assert cpu["parameters"] == {"autoTune": False, "blockSizeTokens": 16,
+                                 "lruCapacityPerServer": 25600}
+    refs = [p["pluginRef"] for p in cfg["schedulingProfiles"][0]["plugins"]]
+    assert "cpu-prefix-cache-scorer" in refs and "gpu-prefix-cache-scorer" in refs
+
+
+def test_render_objects_orders_and_filters():
+    kinds = [o["kind"] for o in render_objects(tpc({"router": {"enabled": True}}), CTX)]
+    assert kinds == ["PersistentVolumeClaim", "CronJob", "ConfigMap"]
+    assert render_objects(tpc({"storage": None}), CTX) == []
+
+
+def test_renders_are_deterministic():
+    a = render_objects(tpc({"router": {"enabled": True}}), CTX)
+    b = render_objects(tpc({"router": {"enabled": True}}), CTX)
+    assert a == b

