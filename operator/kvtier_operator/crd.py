@@ -63,7 +63,10 @@ def _structural(node: Any, *, in_properties: bool = False) -> Any:
             merged = {**branches[0], **{k: v for k, v in node.items() if k != "anyOf"}}
             if merged.get("default", 0) is None:
                 merged.pop("default")
-            merged["nullable"] = True
+            # kube-openapi checks enum even on null data, so a nullable enum would refuse
+            # an explicit null; a non-nullable field has nulls pruned (= unset) instead.
+            if "enum" not in merged:
+                merged["nullable"] = True
             return _structural(merged)
         raise ValueError(f"union types are not structural: {node}")
     for key, value in node.items():
@@ -168,6 +171,8 @@ def lint(schema: dict[str, Any], path: str = "") -> list[str]:
     for key, fix in FORBIDDEN.items():
         if key in schema:
             problems.append(f"{where}: {key} is forbidden ({fix})")
+    if schema.get("nullable") and "enum" in schema:
+        problems.append(f"{where}: a nullable enum refuses null; drop nullable so nulls prune")
     if schema.get("type") == "null":
         problems.append(f"{where}: type null is forbidden (use nullable: true)")
     free = schema.get("x-kubernetes-preserve-unknown-fields")

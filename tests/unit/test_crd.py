@@ -50,6 +50,7 @@ def test_crd_shape():
     assert props["eviction"]["properties"]["highWatermark"]["maximum"] == 100
     assert props["eviction"]["properties"]["highWatermark"]["default"] == 85
     assert props["connector"]["enum"] == ["native", "lmcache"]
+    assert "nullable" not in props["storage"]["properties"]["backend"]
 
 
 # One negative case for each rule of the lint: each must be caught.
@@ -65,6 +66,7 @@ def test_crd_shape():
         ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, "uniqueItems"),
         ({"type": "object", "patternProperties": {}}, "patternProperties"),
         ({"type": "null"}, "type null is forbidden"),
+        ({"type": "string", "enum": ["a"], "nullable": True}, "nullable enum refuses null"),
         ({"description": "no type"}, "every node needs a type"),
         ({"type": "object", "properties": {}, "additionalProperties": False},
          "mutually exclusive"),
