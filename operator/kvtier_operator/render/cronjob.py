@@ -35,6 +35,8 @@ def evictor_args(tpc: TieredPrefixCache) -> list[str]:
         "--inode-low-watermark", str(ev.inode_low_watermark),
         "--min-idle-seconds", str(ev.min_idle_seconds),
         "--termination-log", "/dev/termination-log",
+        # A freed run is a success for the Job; the outcome itself is in the report.
+        "--ok-exit-zero",
     ]
     if ev.capacity == CapacitySource.ClaimSize:
         if storage.pvc is not None:

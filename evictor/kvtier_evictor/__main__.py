@@ -1,0 +1,5 @@
+import sys
+
+from kvtier_evictor.cli import main
+
+sys.exit(main())

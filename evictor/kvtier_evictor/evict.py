@@ -1,0 +1,229 @@
+"""One evictor run: measure, scan, choose least-recently-used files, re-check, delete."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from kvtier_evictor.layouts import Layout
+from kvtier_evictor.lock import LockHeld, VolumeLock
+from kvtier_evictor.report import (
+    ABOVE_LOW_WATERMARK,
+    ERROR,
+    FREED,
+    NOTHING_TO_DO,
+    EvictionReport,
+    Usage,
+)
+from kvtier_evictor.scan import Candidate, LruSelection, ScanRules, last_use, scan
+from kvtier_evictor.usage import over, statvfs_usage, to_free
+
+log = logging.getLogger("kvtier_evictor")
+MAX_ERROR_MESSAGES = 20
+BATCH = 512
+
+
+@dataclass
+class Config:
+    root: str
+    layout: Layout
+    high_watermark: float = 85
+    low_watermark: float = 70
+    inode_high_watermark: float = 90
+    inode_low_watermark: float = 80
+    min_idle_seconds: float = 600
+    temp_guard_seconds: float = 3600
+    dir_guard_seconds: float = 600
+    capacity_bytes: int | None = None  # budget mode: usage = cache bytes / capacity
+    threads: int = 8
+    dry_run: bool = False
+    lock_stale_seconds: float = 3600
+    progress_seconds: float = 10
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+class Run:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.time,
+                 usage_source: Callable[[], Usage] | None = None) -> None:
+        self.cfg = config
+        self.clock = clock
+        self.report = EvictionReport(layout=config.layout.name, dry_run=config.dry_run)
+        self._statvfs = usage_source or (lambda: statvfs_usage(config.root))
+        self._budget_bytes = 0  # cache bytes found by the last full scan (budget mode)
+        self._errors_lock = threading.Lock()  # _error runs on the delete pool's threads
+
+    # ------------------------------------------------------------- usage
+
+    def usage(self) -> Usage:
+        fs = self._statvfs()
+        if self.cfg.capacity_bytes is None:
+            return fs
+        return Usage(used_bytes=self._budget_bytes, capacity_bytes=self.cfg.capacity_bytes,
+                     used_inodes=fs.used_inodes, capacity_inodes=fs.capacity_inodes)
+
+    def _over_high(self, usage: Usage) -> bool:
+        return over(usage, self.cfg.high_watermark, self.cfg.inode_high_watermark)
+
+    def _over_low(self, usage: Usage) -> bool:
+        return over(usage, self.cfg.low_watermark, self.cfg.inode_low_watermark)
+
+    def _error(self, message: str) -> None:
+        with self._errors_lock:
+            self.report.errors += 1
+            if len(self.report.error_messages) < MAX_ERROR_MESSAGES:
+                self.report.error_messages.append(message)
+        log.warning("%s", message)
+
+    # --------------------------------------------------------------- run
+
+    def execute(self) -> EvictionReport:
+        started = self.clock()
+        self.report.started_at = _iso(started)
+        self.report.usage_source = "budget" if self.cfg.capacity_bytes else "statvfs"
+        try:
+            with VolumeLock(self.cfg.root, self.cfg.lock_stale_seconds) as lock:
+                self._execute(lock)
+        except LockHeld as err:
+            self._error(str(err))
+            self.report.outcome = ERROR
+        except OSError as err:
+            self._error(f"{err.filename or self.cfg.root}: {err.strerror or err}")
+            self.report.outcome = ERROR
+        finished = self.clock()
+        self.report.finished_at = _iso(finished)
+        self.report.duration_seconds = round(finished - started, 3)
+        return self.report
+
+    def _rules(self) -> ScanRules:
+        return ScanRules(now=self.clock(), min_idle_seconds=self.cfg.min_idle_seconds,
+                         temp_guard_seconds=self.cfg.temp_guard_seconds,
+                         dir_guard_seconds=self.cfg.dir_guard_seconds)
+
+    def _execute(self, lock: VolumeLock) -> None:
+        cfg = self.cfg
+        if cfg.capacity_bytes is not None:
+            # Budget mode: statvfs says nothing about our share, so measure it first.
+            totals = scan(cfg.root, cfg.layout, self._rules(), None, cfg.threads)
+            self._budget_bytes = totals.block_bytes + totals.temp_bytes
+        before = self.usage()
+        self.report.usage_before = before
+        self.report.usage_after = before
+        if not self._over_high(before):
+            log.info("usage %.1f%% bytes, %.1f%% inodes: below the high watermarks, nothing "
+                     "to do", before.percent, before.inode_percent)
+            self.report.outcome = NOTHING_TO_DO
+            return
+        want_bytes, want_inodes = to_free(before, cfg.low_watermark, cfg.inode_low_watermark)
+        log.info("usage %.1f%% bytes, %.1f%% inodes: freeing %d bytes and %d files",
+                 before.percent, before.inode_percent, want_bytes, want_inodes)
+        selection = LruSelection(want_bytes, want_inodes)
+        totals = scan(cfg.root, cfg.layout, self._rules(), selection, cfg.threads)
+        self.report.files_scanned = totals.files
+        self.report.skipped_recent = totals.skipped_recent
+        for message in totals.errors:
+            self._error(message)
+        log.info("scanned %d block files; %d used within minIdle; %d candidates; %d stale "
+                 "temp files", totals.files, totals.skipped_recent, len(selection),
+                 len(totals.stale_temps))
+        self._reap_temps(totals.stale_temps)
+        self._delete(selection.oldest_first(), lock)
+        self._remove_dirs(totals.empty_dirs)
+        if cfg.capacity_bytes is not None:
+            self._budget_bytes = max(self._budget_bytes - self.report.bytes_freed, 0)
+        after = self.usage()
+        self.report.usage_after = after
+        if self.report.errors and not (self.report.files_deleted or
+                                       self.report.temp_files_reaped):
+            self.report.outcome = ERROR
+        elif self._over_low(after) and not cfg.dry_run:
+            self.report.outcome = ABOVE_LOW_WATERMARK
+        else:
+            self.report.outcome = FREED
+        log.info("deleted %d files (%d bytes), reaped %d temp files and %d directories; "
+                 "usage now %.1f%% bytes, %.1f%% inodes", self.report.files_deleted,
+                 self.report.bytes_freed, self.report.temp_files_reaped,
+                 self.report.dirs_removed, after.percent, after.inode_percent)
+
+    # ----------------------------------------------------------- actions
+
+    def _unlink(self, path: str) -> bool:
+        if self.cfg.dry_run:
+            return True
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False  # a writer or another cleaner got there first
+        except OSError as err:
+            self._error(f"unlink {path}: {err.strerror or err}")
+            return False
+
+    def _reap_temps(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue
+            if self._unlink(path):
+                self.report.temp_files_reaped += 1
+                self.report.bytes_freed += size
+
+    def _delete_one(self, cand: Candidate) -> tuple[int, int, int]:
+        """(deleted, bytes, changed): re-stat just before unlinking so a file used since
+        the scan is kept."""
+        try:
+            st = os.stat(cand.path)
+        except FileNotFoundError:
+            return 0, 0, 0
+        except OSError as err:
+            self._error(f"stat {cand.path}: {err.strerror or err}")
+            return 0, 0, 0
+        used = last_use(st)
+        if used > cand.last_use or self.clock() - used < self.cfg.min_idle_seconds:
+            return 0, 0, 1
+        if self._unlink(cand.path):
+            return 1, cand.size, 0
+        return 0, 0, 0
+
+    def _delete(self, candidates: list[Candidate], lock: VolumeLock) -> None:
+        cfg = self.cfg
+        last_progress = self.clock()
+        with ThreadPoolExecutor(max_workers=max(1, cfg.threads)) as pool:
+            for start in range(0, len(candidates), BATCH):
+                batch = candidates[start:start + BATCH]
+                for deleted, size, changed in pool.map(self._delete_one, batch):
+                    self.report.files_deleted += deleted
+                    self.report.bytes_freed += size
+                    self.report.skipped_changed += changed
+                lock.refresh()
+                if cfg.capacity_bytes is None and not cfg.dry_run and not self._over_low(
+                    self._statvfs()
+                ):
+                    break  # below both low watermarks already
+                if self.clock() - last_progress >= cfg.progress_seconds:
+                    last_progress = self.clock()
+                    log.info("progress: %d/%d candidates handled, %d deleted",
+                             start + len(batch), len(candidates), self.report.files_deleted)
+
+    def _remove_dirs(self, paths: Iterable[str]) -> None:
+        if self.cfg.dry_run:
+            return
+        for path in sorted(paths, key=len, reverse=True):
+            try:
+                os.rmdir(path)
+                self.report.dirs_removed += 1
+            except OSError:
+                pass  # no longer empty (a writer is using it) or already gone
+
+
+def run(config: Config) -> EvictionReport:
+    return Run(config).execute()

@@ -1,0 +1,76 @@
+"""The cache file layouts the evictor may touch. Anything else on the volume is never
+touched: a file is a candidate only when every directory above it and its own name match
+the layout in use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(Enum):
+    BLOCK = "block"
+    TEMP = "temp"
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    # One pattern per directory level below the volume root, outermost first.
+    dir_levels: tuple[re.Pattern[str], ...]
+    block_file: re.Pattern[str]
+    temp_file: re.Pattern[str] | None
+    # Directories at levels below this index may be removed when empty and old.
+    first_removable_level: int
+    # Units of parallel scanning: directories whose children match dir_levels[parallel_level].
+    parallel_level: int
+
+    def classify(self, name: str) -> Kind | None:
+        if self.block_file.match(name):
+            return Kind.BLOCK
+        if self.temp_file is not None and self.temp_file.match(name):
+            return Kind.TEMP
+        return None
+
+
+def _p(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+# kvtier backend: <root>/kvtier/v1/<fingerprint>/<k[0:2]>/<k[2:4]>/<key>.kvb, written via
+# .<key>.kvb.<random>.tmp in the same directory (sidecar/kvtier_offload/layout.py).
+KVTIER = Layout(
+    name="kvtier",
+    dir_levels=(_p(r"^kvtier$"), _p(r"^v1$"), _p(r"^[0-9a-f]{16}$"), _p(r"^[0-9a-f]{2}$"),
+                _p(r"^[0-9a-f]{2}$")),
+    block_file=_p(r"^[0-9a-f]{8,}\.kvb$"),
+    temp_file=_p(r"^\.[0-9a-f]{8,}\.kvb\.[0-9a-f]+\.tmp$"),
+    first_removable_level=3,
+    parallel_level=4,  # one unit per <k[0:2]> directory: 256 per fingerprint
+)
+
+# vLLM's built-in fs tier (0.22+):
+# <root>/<model>_<sha256[:12]>_r<rank>/<hex[0:3]>/<hex[3:5]>_g<group>/<hex>.bin,
+# written via <hex>.bin_<random>.tmp.
+VLLM_FS = Layout(
+    name="vllm-fs",
+    dir_levels=(_p(r"^.+_[0-9a-f]{12}_r\d+$"), _p(r"^[0-9a-f]{3}$"), _p(r"^[0-9a-f]{2}_g\d+$")),
+    block_file=_p(r"^[0-9a-f]+\.bin$"),
+    temp_file=_p(r"^[0-9a-f]+\.bin_\d+\.tmp$"),
+    first_removable_level=1,
+    parallel_level=2,  # one unit per <hex[0:3]> directory
+)
+
+# LMCache's local disk backend under the directory kvtier points LMCACHE_LOCAL_DISK at.
+LMCACHE = Layout(
+    name="lmcache",
+    dir_levels=(_p(r"^lmcache$"),),
+    block_file=_p(r"^[^.].*$"),
+    temp_file=None,
+    first_removable_level=1,
+    parallel_level=1,
+)
+
+LAYOUTS = {layout.name: layout for layout in (KVTIER, VLLM_FS, LMCACHE)}

@@ -1,0 +1,199 @@
+"""Parallel scan of a cache layout: LRU candidates in a bounded heap, stale temp files,
+old empty directories.
+
+Memory stays bounded by what must be freed: the heap keeps only the oldest files whose
+sizes add up to the bytes (and count up to the inodes) to free, never a list of every
+file.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvtier_evictor.layouts import Kind, Layout
+
+
+@dataclass(order=True)
+class Candidate:
+    last_use: float
+    size: int = field(compare=False)
+    path: str = field(compare=False)
+
+
+def last_use(st: os.stat_result) -> float:
+    """The later of atime and mtime: the backend refreshes atime on hits, and mtime is
+    the write time on noatime mounts."""
+    return max(st.st_atime, st.st_mtime)
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    allocated = getattr(st, "st_blocks", 0) * 512
+    return allocated if allocated > 0 else st.st_size
+
+
+class LruSelection:
+    """The oldest files covering `bytes_needed` bytes and `files_needed` files.
+
+    A max-heap on last use: while the newest kept file is not needed to reach either
+    target, it is dropped, so the heap never holds more than the targets require.
+    """
+
+    def __init__(self, bytes_needed: int, files_needed: int) -> None:
+        self.bytes_needed = max(bytes_needed, 0)
+        self.files_needed = max(files_needed, 0)
+        self._heap: list[tuple[float, int, str]] = []  # (-last_use, size, path)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def offer(self, when: float, size: int, path: str) -> None:
+        if self.bytes_needed == 0 and self.files_needed == 0:
+            return
+        with self._lock:
+            if (self._heap and self._satisfied(0) and -self._heap[0][0] <= when):
+                return  # newer than everything we keep, and we already have enough
+            heapq.heappush(self._heap, (-when, size, path))
+            self._bytes += size
+            while self._heap:
+                _, top_size, _ = self._heap[0]
+                if self._bytes - top_size >= self.bytes_needed and (
+                    len(self._heap) - 1 >= self.files_needed
+                ):
+                    heapq.heappop(self._heap)
+                    self._bytes -= top_size
+                else:
+                    break
+
+    def _satisfied(self, extra: int) -> bool:
+        return self._bytes + extra >= self.bytes_needed and len(self._heap) >= self.files_needed
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def oldest_first(self) -> list[Candidate]:
+        return sorted(Candidate(-neg, size, path) for neg, size, path in self._heap)
+
+
+@dataclass
+class ScanTotals:
+    files: int = 0
+    block_bytes: int = 0
+    temp_bytes: int = 0
+    skipped_recent: int = 0
+    stale_temps: list[str] = field(default_factory=list)
+    empty_dirs: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: ScanTotals) -> None:
+        self.files += other.files
+        self.block_bytes += other.block_bytes
+        self.temp_bytes += other.temp_bytes
+        self.skipped_recent += other.skipped_recent
+        self.stale_temps += other.stale_temps
+        self.empty_dirs += other.empty_dirs
+        self.errors += other.errors
+
+
+def _scandir(path: str, totals: ScanTotals) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []  # removed under us by a writer's cleanup or another tool
+    except OSError as err:
+        totals.errors.append(f"scandir {path}: {err.strerror or err}")
+        return []
+
+
+def units(root: str, layout: Layout) -> Iterator[tuple[str, int]]:
+    """Directories at the layout's parallel level (or above it where the tree is short)."""
+
+    def descend(path: str, level: int) -> Iterator[tuple[str, int]]:
+        if level == layout.parallel_level:
+            yield path, level
+            return
+        pattern = layout.dir_levels[level]
+        for entry in _scandir(path, ScanTotals()):
+            if pattern.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                yield from descend(entry.path, level + 1)
+
+    if layout.parallel_level == 0:
+        yield root, 0
+    else:
+        yield from descend(root, 0)
+
+
+@dataclass
+class ScanRules:
+    now: float
+    min_idle_seconds: float
+    temp_guard_seconds: float
+    dir_guard_seconds: float
+
+
+def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
+              selection: LruSelection | None) -> ScanTotals:
+    """Walk one unit's subtree; `level` is the index of the pattern its children match."""
+    totals = ScanTotals()
+
+    def walk(directory: str, lvl: int) -> None:
+        entries = _scandir(directory, totals)
+        if not entries and lvl > layout.first_removable_level:
+            try:
+                if rules.now - os.stat(directory).st_mtime >= rules.dir_guard_seconds:
+                    totals.empty_dirs.append(directory)
+            except OSError:
+                pass
+            return
+        at_leaf = lvl == len(layout.dir_levels)
+        for entry in entries:
+            if not at_leaf:
+                if layout.dir_levels[lvl].match(entry.name) and entry.is_dir(
+                    follow_symlinks=False
+                ):
+                    walk(entry.path, lvl + 1)
+                continue
+            kind = layout.classify(entry.name)
+            if kind is None:
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                totals.errors.append(f"stat {entry.path}: {err.strerror or err}")
+                continue
+            size = disk_bytes(st)
+            if kind is Kind.TEMP:
+                totals.temp_bytes += size
+                if rules.now - st.st_mtime >= rules.temp_guard_seconds:
+                    totals.stale_temps.append(entry.path)
+                continue
+            totals.files += 1
+            totals.block_bytes += size
+            used = last_use(st)
+            if rules.now - used < rules.min_idle_seconds:
+                totals.skipped_recent += 1
+            elif selection is not None:
+                selection.offer(used, size, entry.path)
+
+    walk(path, level)
+    return totals
+
+
+def scan(root: str, layout: Layout, rules: ScanRules, selection: LruSelection | None,
+         threads: int) -> ScanTotals:
+    totals = ScanTotals()
+    work = list(units(root, layout))
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = [pool.submit(scan_unit, path, lvl, layout, rules, selection)
+                   for path, lvl in work]
+        for future in futures:
+            totals.add(future.result())
+    return totals
