@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-bytes", type=int, default=None,
                    help="budget mode: usage is the cache's own bytes against this many "
                    "(for NFS/EFS/Lustre exports whose statvfs shows the whole export)")
-    p.add_argument("--threads", type=int, default=min(16, (os.cpu_count() or 2) * 4))
+    p.add_argument("--threads", type=int, default=0,
+                   help="parallel scanners and deleters; 0 (default) times the first "
+                   "directories and uses 16 on a slow (network) filesystem, else 1")
     p.add_argument("--lock-stale-seconds", type=float, default=3600.0)
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     p.add_argument("--termination-log", default=None,

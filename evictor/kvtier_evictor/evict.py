@@ -26,7 +26,7 @@ from kvtier_evictor.usage import over, statvfs_usage, to_free
 
 log = logging.getLogger("kvtier_evictor")
 MAX_ERROR_MESSAGES = 20
-BATCH = 512
+BATCH = 4096
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Config:
     temp_guard_seconds: float = 3600
     dir_guard_seconds: float = 600
     capacity_bytes: int | None = None  # budget mode: usage = cache bytes / capacity
-    threads: int = 8
+    threads: int = 0  # 0: decide from how fast the filesystem answers (see scan.scan)
     dry_run: bool = False
     lock_stale_seconds: float = 3600
     progress_seconds: float = 10
@@ -131,11 +131,11 @@ class Run:
         self.report.skipped_recent = totals.skipped_recent
         for message in totals.errors:
             self._error(message)
-        log.info("scanned %d block files; %d used within minIdle; %d candidates; %d stale "
-                 "temp files", totals.files, totals.skipped_recent, len(selection),
-                 len(totals.stale_temps))
+        log.info("scanned %d block files with %d thread(s); %d used within minIdle; %d "
+                 "candidates; %d stale temp files", totals.files, totals.threads,
+                 totals.skipped_recent, len(selection), len(totals.stale_temps))
         self._reap_temps(totals.stale_temps)
-        self._delete(selection.oldest_first(), lock)
+        self._delete(selection.oldest_first(), lock, totals.threads)
         self._remove_dirs(totals.empty_dirs)
         if cfg.capacity_bytes is not None:
             self._budget_bytes = max(self._budget_bytes - self.report.bytes_freed, 0)
@@ -194,13 +194,24 @@ class Run:
             return 1, cand.size, 0
         return 0, 0, 0
 
-    def _delete(self, candidates: list[Candidate], lock: VolumeLock) -> None:
+    def _delete_chunk(self, chunk: list[Candidate]) -> tuple[int, int, int]:
+        deleted = freed = changed = 0
+        for cand in chunk:
+            d, b, c = self._delete_one(cand)
+            deleted, freed, changed = deleted + d, freed + b, changed + c
+        return deleted, freed, changed
+
+    def _delete(self, candidates: list[Candidate], lock: VolumeLock, threads: int) -> None:
+        """Oldest first, in batches; each worker takes a slice of a batch (one task per
+        slice, not per file: thread handoffs cost more than a local unlink)."""
         cfg = self.cfg
+        workers = max(1, threads)
         last_progress = self.clock()
-        with ThreadPoolExecutor(max_workers=max(1, cfg.threads)) as pool:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             for start in range(0, len(candidates), BATCH):
                 batch = candidates[start:start + BATCH]
-                for deleted, size, changed in pool.map(self._delete_one, batch):
+                slices = [batch[i::workers] for i in range(workers) if batch[i::workers]]
+                for deleted, size, changed in pool.map(self._delete_chunk, slices):
                     self.report.files_deleted += deleted
                     self.report.bytes_freed += size
                     self.report.skipped_changed += changed

@@ -11,18 +11,19 @@ from __future__ import annotations
 import heapq
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier_evictor.layouts import Kind, Layout
 
 
-@dataclass(order=True)
-class Candidate:
+class Candidate(NamedTuple):
     last_use: float
-    size: int = field(compare=False)
-    path: str = field(compare=False)
+    size: int
+    path: str
 
 
 def last_use(st: os.stat_result) -> float:
@@ -51,22 +52,27 @@ class LruSelection:
         self._lock = threading.Lock()
 
     def offer(self, when: float, size: int, path: str) -> None:
-        if self.bytes_needed == 0 and self.files_needed == 0:
+        self.offer_many([(when, size, path)])
+
+    def offer_many(self, items: list[tuple[float, int, str]]) -> None:
+        """Offer one directory's files at once: one lock round trip, not one per file."""
+        if not items or (self.bytes_needed == 0 and self.files_needed == 0):
             return
         with self._lock:
-            if (self._heap and self._satisfied(0) and -self._heap[0][0] <= when):
-                return  # newer than everything we keep, and we already have enough
-            heapq.heappush(self._heap, (-when, size, path))
-            self._bytes += size
-            while self._heap:
-                _, top_size, _ = self._heap[0]
-                if self._bytes - top_size >= self.bytes_needed and (
-                    len(self._heap) - 1 >= self.files_needed
-                ):
-                    heapq.heappop(self._heap)
-                    self._bytes -= top_size
-                else:
-                    break
+            heap = self._heap
+            for when, size, path in items:
+                if heap and self._satisfied(0) and -heap[0][0] <= when:
+                    continue  # newer than everything kept, and we already have enough
+                heapq.heappush(heap, (-when, size, path))
+                self._bytes += size
+                while heap:
+                    top_size = heap[0][1]
+                    if (self._bytes - top_size >= self.bytes_needed
+                            and len(heap) - 1 >= self.files_needed):
+                        heapq.heappop(heap)
+                        self._bytes -= top_size
+                    else:
+                        break
 
     def _satisfied(self, extra: int) -> bool:
         return self._bytes + extra >= self.bytes_needed and len(self._heap) >= self.files_needed
@@ -75,7 +81,7 @@ class LruSelection:
         return len(self._heap)
 
     def oldest_first(self) -> list[Candidate]:
-        return sorted(Candidate(-neg, size, path) for neg, size, path in self._heap)
+        return [Candidate(-neg, size, path) for neg, size, path in sorted(self._heap, reverse=True)]
 
 
 @dataclass
@@ -87,9 +93,16 @@ class ScanTotals:
     stale_temps: list[str] = field(default_factory=list)
     empty_dirs: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    threads: int = 1  # how many threads the scan chose (deletion uses as many)
+    dirs: int = 0
+
+    @property
+    def calls(self) -> int:
+        return self.files + self.dirs
 
     def add(self, other: ScanTotals) -> None:
         self.files += other.files
+        self.dirs += other.dirs
         self.block_bytes += other.block_bytes
         self.temp_bytes += other.temp_bytes
         self.skipped_recent += other.skipped_recent
@@ -142,6 +155,7 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
 
     def walk(directory: str, lvl: int) -> None:
         entries = _scandir(directory, totals)
+        totals.dirs += 1
         if not entries and lvl > layout.first_removable_level:
             try:
                 if rules.now - os.stat(directory).st_mtime >= rules.dir_guard_seconds:
@@ -150,6 +164,7 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
                 pass
             return
         at_leaf = lvl == len(layout.dir_levels)
+        offers: list[tuple[float, int, str]] = []
         for entry in entries:
             if not at_leaf:
                 if layout.dir_levels[lvl].match(entry.name) and entry.is_dir(
@@ -181,17 +196,40 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             if rules.now - used < rules.min_idle_seconds:
                 totals.skipped_recent += 1
             elif selection is not None:
-                selection.offer(used, size, entry.path)
+                offers.append((used, size, entry.path))
+        if selection is not None:
+            selection.offer_many(offers)
 
     walk(path, level)
     return totals
 
 
+# Above this many seconds of wall time per metadata call (a stat or a directory read),
+# calls are waiting on a server (NFS, Lustre, CephFS, EFS) and threads overlap the waits.
+# Below it the filesystem is local and fast, and Python threads only add GIL handoffs.
+SLOW_SECONDS_PER_CALL = 100e-6
+AUTO_THREADS = 16
+
+
 def scan(root: str, layout: Layout, rules: ScanRules, selection: LruSelection | None,
          threads: int) -> ScanTotals:
+    """Scan every unit; threads <= 0 picks 1 or AUTO_THREADS from how long the first
+    unit took per file. The choice is returned in totals.threads."""
     totals = ScanTotals()
     work = list(units(root, layout))
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+    if threads <= 0:
+        start = time.perf_counter()
+        while work and totals.calls < 512:  # time enough calls to judge the filesystem
+            path, lvl = work.pop(0)
+            totals.add(scan_unit(path, lvl, layout, rules, selection))
+        per_call = (time.perf_counter() - start) / max(totals.calls, 1)
+        threads = AUTO_THREADS if per_call > SLOW_SECONDS_PER_CALL else 1
+    totals.threads = threads
+    if threads == 1:
+        for path, lvl in work:
+            totals.add(scan_unit(path, lvl, layout, rules, selection))
+        return totals
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = [pool.submit(scan_unit, path, lvl, layout, rules, selection)
                    for path, lvl in work]
         for future in futures:

@@ -350,3 +350,30 @@ def test_operator_cronjob_args_parse_with_the_evictor_cli():
         container = cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
         args = cli.build_parser().parse_args(container["args"])
         assert args.root == "/kv-cache" and args.ok_exit_zero
+
+
+def test_auto_threads_stay_single_on_a_fast_filesystem(tmp_path):
+    from kvtier_evictor.scan import ScanRules, scan
+
+    lru_tree(tmp_path, n=300)
+    rules = ScanRules(now=NOW, min_idle_seconds=600, temp_guard_seconds=3600,
+                      dir_guard_seconds=600)
+    assert scan(str(tmp_path), KVTIER, rules, None, threads=0).threads == 1
+
+
+def test_auto_threads_go_parallel_on_a_slow_filesystem(tmp_path, monkeypatch):
+    from kvtier_evictor import scan as scan_module
+
+    lru_tree(tmp_path, n=300)
+    real_scandir = os.scandir
+
+    def slow_scandir(path="."):
+        time.sleep(0.002)  # a network filesystem's round trip
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", slow_scandir)
+    rules = scan_module.ScanRules(now=NOW, min_idle_seconds=600, temp_guard_seconds=3600,
+                                  dir_guard_seconds=600)
+    totals = scan_module.scan(str(tmp_path), KVTIER, rules, None, threads=0)
+    assert totals.threads == scan_module.AUTO_THREADS
+    assert totals.files == 300

@@ -46,7 +46,10 @@ class FilesUsage:
             for name in files:
                 if name == LOCK_NAME:
                     continue  # the evictor's own lock: a few bytes, transient
-                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+                except FileNotFoundError:
+                    continue  # renamed or deleted by a concurrent writer meanwhile
                 count += 1
         return Usage(used_bytes=total, capacity_bytes=self.capacity,
                      used_inodes=count, capacity_inodes=self.inodes)
