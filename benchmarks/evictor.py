@@ -47,7 +47,7 @@ def time_cmd(cmd: str) -> float:
 def main() -> None:
     n = FILES
     now = time.time()
-    with scratch_dir("8g", "kvtier-bench-evictor-") as (root, where):
+    with scratch_dir("8g", "kvtier-bench-evictor-", inodes="8m") as (root, where):
         print(f"{n:,} files on {where}")
         t = time.perf_counter()
         build(os.path.join(root, "a"), n, now)

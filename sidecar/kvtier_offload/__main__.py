@@ -1,0 +1,5 @@
+import sys
+
+from kvtier_offload.cli import main
+
+sys.exit(main())

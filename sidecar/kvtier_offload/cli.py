@@ -1,0 +1,72 @@
+"""`python -m kvtier_offload`: install the backend into a shared volume, or probe one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+# What must import for the backend to work inside vLLM (vllm_tier itself needs vLLM,
+# which the init container's image does not have).
+CHECK_IMPORTS = "import kvtier_offload.store, kvtier_offload.layout, kvtier_offload.fileformat"
+
+
+def install(target: str) -> int:
+    """Copy this package into target (the pod's shared emptyDir) and prove it imports."""
+    dest_root = Path(target)
+    dest_root.mkdir(parents=True, exist_ok=True)
+    staging = dest_root / f".kvtier_offload.{os.getpid()}"
+    final = dest_root / PACKAGE.name
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(PACKAGE, staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    env = {**os.environ, "PYTHONPATH": str(dest_root), "PYTHONDONTWRITEBYTECODE": "1"}
+    check = subprocess.run([sys.executable, "-c", CHECK_IMPORTS], env=env, cwd="/",
+                           capture_output=True, text=True, check=False)
+    if check.returncode != 0:
+        print(f"kvtier_offload installed to {final} but does not import:\n{check.stderr}",
+              file=sys.stderr)
+        return 1
+    print(f"kvtier_offload installed to {final}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from kvtier_offload.probe import probe
+
+    result = probe(args.path, args.block_bytes, args.total_bytes, args.threads)
+    print(f"path {result.path}: O_DIRECT {'yes' if result.o_direct else 'no'}, "
+          f"{result.blocks} blocks of {result.block_bytes} bytes, {result.threads} threads")
+    print(f"store {result.store_gbps:.2f} GB/s, load {result.load_gbps:.2f} GB/s, "
+          f"{result.failures} failures")
+    if args.kv_bytes_per_token:
+        breakeven = result.breakeven_tokens_per_second(args.kv_bytes_per_token)
+        verdict = ("loading beats recomputing" if breakeven > args.prefill_tokens_per_second
+                   else "recomputing is faster than loading")
+        print(f"at {args.kv_bytes_per_token} KV bytes/token this volume loads "
+              f"{breakeven:,.0f} tokens/s; prefill runs {args.prefill_tokens_per_second:,.0f} "
+              f"tokens/s: {verdict}")
+    return 1 if result.failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier_offload", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    inst = sub.add_parser("install", help="copy the backend into a directory on PYTHONPATH")
+    inst.add_argument("--target", required=True)
+    pr = sub.add_parser("probe", help="measure store/load GB/s on a volume")
+    pr.add_argument("--path", required=True)
+    pr.add_argument("--block-bytes", type=int, default=16 << 20)
+    pr.add_argument("--total-bytes", type=int, default=1 << 30)
+    pr.add_argument("--threads", type=int, default=16)
+    pr.add_argument("--kv-bytes-per-token", type=int, default=0)
+    pr.add_argument("--prefill-tokens-per-second", type=float, default=10_000.0)
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        return install(args.target)
+    return cmd_probe(args)

@@ -1,0 +1,77 @@
+"""Where block files live on the shared volume.
+
+    <root>/kvtier/v1/<fingerprint>/config.json
+    <root>/kvtier/v1/<fingerprint>/<key[0:2]>/<key[2:4]>/<key>.kvb
+    <root>/kvtier/v1/<fingerprint>/<key[0:2]>/<key[2:4]>/.<key>.kvb.<random>.tmp
+
+The fingerprint isolates incompatible configurations; the two-level fan-out bounds any
+directory to 256 entries of the next level. The evictor (evictor/kvtier_evictor/
+layouts.py) matches exactly these names and nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from typing import Any
+
+FORMAT_DIR = os.path.join("kvtier", "v1")
+SUFFIX = ".kvb"
+DIR_MODE = 0o2775  # group-writable + setgid: an evictor with the pods' fsGroup may delete
+
+
+def fingerprint(config: dict[str, Any]) -> str:
+    """16 hex digits identifying everything that makes two caches incompatible."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class Layout:
+    def __init__(self, root: str, fp: str) -> None:
+        self.root = root
+        self.fingerprint = fp
+        self.base = os.path.join(root, FORMAT_DIR, fp)
+
+    def path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self.base, h[:2], h[2:4], h + SUFFIX)
+
+    def temp_path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self.base, h[:2], h[2:4], f".{h}{SUFFIX}.{secrets.token_hex(8)}.tmp")
+
+    def ensure_dir(self, directory: str) -> None:
+        """makedirs with group-writable directories whatever the umask."""
+        if os.path.isdir(directory):
+            return
+        parent = os.path.dirname(directory)
+        if parent and parent != directory:
+            self.ensure_dir(parent)
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            return
+        try:
+            os.chmod(directory, DIR_MODE)
+        except OSError:
+            pass  # some filesystems ignore modes; nothing depends on it locally
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """config.json beside the blocks, for people: written once, atomically."""
+        self.ensure_dir(self.base)
+        target = os.path.join(self.base, "config.json")
+        if os.path.exists(target):
+            return
+        tmp = f"{target}.{secrets.token_hex(8)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            pass
+        except OSError:
+            os.replace(tmp, target)
+            return
+        os.unlink(tmp)

@@ -1,0 +1,574 @@
+"""The block store: KV blocks as self-describing files on a shared volume.
+
+Safe first: a file becomes visible only complete (temp name, checked close, atomic link),
+a load checks everything before it reports success, and a bad file is counted, logged
+once, removed and reported as a failure, never served. Then fast: a bounded pool of
+I/O threads with reads ahead of writes, O_DIRECT where the filesystem takes it, zero
+copies when buffers are aligned, and a write queue with a time budget that drops what it
+cannot write in time (counted, never reported stored). Filesystem errors never escape to
+vLLM: they fail the job, and ENOSPC/EDQUOT/EIO/EACCES/EROFS back the writers off.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier_offload.fileformat import (
+    HEADER_SIZE,
+    BadBlock,
+    checksum,
+    decode_header,
+    encode_header,
+    padded,
+)
+from kvtier_offload.iopool import IOPool
+from kvtier_offload.layout import Layout
+from kvtier_offload.metrics import Metrics
+
+log = logging.getLogger("kvtier_offload")
+
+BACKOFF_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.EROFS,
+                  errno.EPERM}
+ALIGN = 4096
+
+
+@dataclass
+class StoreConfig:
+    root: str
+    fingerprint: str
+    read_threads: int = 16
+    write_threads: int = 16
+    o_direct: str = "auto"  # auto: probe once; on; off
+    fsync: bool = False  # fdatasync before publishing (durability over throughput)
+    free_space_floor_percent: float = 2.0  # refuse writes below this much free space
+    write_queue_seconds: float = 10.0  # drop stores that would wait longer than this
+    lookup_hit_ttl: float = 10.0
+    lookup_miss_ttl: float = 1.0
+    lookup_cache_entries: int = 500_000
+    touch_interval: float = 60.0  # refresh a hit file's atime at most this often
+
+
+@dataclass
+class JobOutcome:
+    job_id: int
+    kind: str  # "store" or "load"
+    keys: list[bytes]
+    ok: list[bool]
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def success(self) -> bool:
+        return all(self.ok)
+
+    @property
+    def ok_prefix(self) -> list[bytes]:
+        """Keys loaded before the first failure: a prefix is what a cache can use."""
+        out = []
+        for key, ok in zip(self.keys, self.ok, strict=True):
+            if not ok:
+                break
+            out.append(key)
+        return out
+
+
+@dataclass
+class _Job:
+    outcome: JobOutcome
+    remaining: int
+    started: float = field(default_factory=time.monotonic)
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+
+
+def _aligned(buf: memoryview) -> bool:
+    return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether files in directory accept O_DIRECT I/O (tmpfs, overlayfs and some NFS
+    mounts refuse it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(directory, f".o_direct_probe.{os.getpid()}.tmp")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+        try:
+            return os.write(fd, buf) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+class BlockStore:
+    def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
+        self.cfg = config
+        self.layout = Layout(config.root, config.fingerprint)
+        self.layout.ensure_dir(self.layout.base)
+        self.metrics = metrics or Metrics()
+        if config.o_direct == "auto":
+            self.o_direct = probe_o_direct(self.layout.base)
+        else:
+            self.o_direct = config.o_direct == "on"
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._jobs: dict[int, _Job] = {}
+        self._finished: deque[JobOutcome] = deque()
+        self._cache: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        self._lookup_queue: deque[bytes] = deque()
+        self._lookup_pending: set[bytes] = set()
+        self._lookup_cv = threading.Condition()
+        self._write_bps = 0.0  # EMA of store throughput, bytes/s
+        self._queued_write_bytes = 0
+        self._blocked_until = 0.0
+        self._backoff = 0.0
+        self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
+        self._logged: set[str] = set()
+        self._closed = False
+        self._pool = IOPool(config.read_threads, config.write_threads)
+        self._lookup_thread = threading.Thread(target=self._lookup_loop, daemon=True,
+                                               name="kvtier-lookup")
+        self._lookup_thread.start()
+
+    # ------------------------------------------------------------- helpers
+
+    def _log_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(message + " (logged once; see kvtier_offload_* metrics)", *args)
+
+    def _buffer(self, size: int) -> mmap.mmap:
+        """A page-aligned bounce buffer per I/O thread, grown on demand."""
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, padded(size))
+            self._local.buf = buf
+        return buf
+
+    def _remember(self, key: bytes, present: bool) -> None:
+        ttl = self.cfg.lookup_hit_ttl if present else self.cfg.lookup_miss_ttl
+        with self._lock:
+            self._cache[key] = (present, time.monotonic() + ttl)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cfg.lookup_cache_entries:
+                self._cache.popitem(last=False)
+
+    def _cached(self, key: bytes) -> bool | None:
+        with self._lock:
+            entry = self._cache.get(key)
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0]
+
+    def _touch(self, path: str, st: os.stat_result) -> None:
+        """Refresh atime on a hit so the evictor's LRU holds on noatime/relatime mounts;
+        at most once per touch_interval per file (its own atime says when)."""
+        now = time.time()
+        if now - max(st.st_atime, st.st_mtime) < self.cfg.touch_interval:
+            return
+        try:
+            os.utime(path, (now, st.st_mtime))
+        except OSError:
+            pass  # read-only volume or a file deleted meanwhile: a hit is still a hit
+
+    # -------------------------------------------------------------- lookup
+
+    def _stat_key(self, key: bytes) -> bool:
+        path = self.layout.path(key)
+        try:
+            st = os.stat(path)
+        except OSError:
+            present = False
+        else:
+            present = st.st_size >= HEADER_SIZE
+            if present:
+                self._touch(path, st)
+        self._remember(key, present)
+        self.metrics.lookups.labels("hit" if present else "miss").inc()
+        return present
+
+    def lookup(self, key: bytes) -> bool | None:
+        """True/False from the cache, or None while a background lookup runs."""
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        with self._lookup_cv:
+            if key not in self._lookup_pending:
+                self._lookup_pending.add(key)
+                self._lookup_queue.append(key)
+                self._lookup_cv.notify()
+        return None
+
+    def lookup_now(self, keys: Sequence[bytes]) -> list[bool]:
+        """Synchronous, batched: cached answers, a stat for the rest."""
+        out = []
+        for key in keys:
+            cached = self._cached(key)
+            out.append(cached if cached is not None else self._stat_key(key))
+        return out
+
+    def _lookup_loop(self) -> None:
+        while True:
+            with self._lookup_cv:
+                while not self._lookup_queue and not self._closed:
+                    self._lookup_cv.wait()
+                if self._closed:
+                    return
+                batch = [self._lookup_queue.popleft()
+                         for _ in range(min(len(self._lookup_queue), 1024))]
+            for key in batch:
+                self._stat_key(key)
+            with self._lookup_cv:
+                self._lookup_pending.difference_update(batch)
+
+    def forget(self, key: bytes) -> None:
+        with self._lock:
+            self._cache.pop(key, None)
+
+    # ---------------------------------------------------------------- jobs
+
+    def _start_job(self, job_id: int, kind: str, keys: list[bytes]) -> _Job:
+        job = _Job(JobOutcome(job_id, kind, keys, [False] * len(keys)), remaining=len(keys))
+        with self._lock:
+            self._jobs[job_id] = job
+        if not keys:
+            self._finish(job)
+        return job
+
+    def _done(self, job: _Job, index: int, ok: bool, nbytes: int) -> None:
+        with self._lock:
+            job.outcome.ok[index] = ok
+            job.outcome.nbytes += nbytes if ok else 0
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        job.outcome.seconds = time.monotonic() - job.started
+        with self._lock:
+            self._jobs.pop(job.outcome.job_id, None)
+            self._finished.append(job.outcome)
+            self._idle.notify_all()
+
+    def finished(self) -> list[JobOutcome]:
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def pending_jobs(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished (results stay in finished())."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    # --------------------------------------------------------------- store
+
+    def store(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Queue the writes of one job; never blocks on I/O."""
+        job = self._start_job(job_id, "store", [k for k, _ in items])
+        nbytes = sum(len(v) for _, v in items)
+        if self._would_overflow(nbytes):
+            self.metrics.dropped.labels("queue-full").inc(len(items))
+            self._log_once("queue-full", "kvtier write queue is over its %.1fs budget; "
+                           "dropping stores", self.cfg.write_queue_seconds)
+            for i in range(len(items)):
+                self._done(job, i, False, 0)
+            return
+        with self._lock:
+            self._queued_write_bytes += nbytes
+        enqueued = time.monotonic()
+        for i, (key, data) in enumerate(items):
+            self._pool.submit_write(
+                lambda j=job, i=i, k=key, d=data: self._store_task(j, i, k, d, enqueued))
+        self.metrics.queue_depth.labels("store").set(self._pool.queued_writes)
+
+    def _would_overflow(self, nbytes: int) -> bool:
+        with self._lock:
+            rate, queued = self._write_bps, self._queued_write_bytes
+        return rate > 0 and (queued + nbytes) / rate > self.cfg.write_queue_seconds
+
+    def _free_space_ok(self, size: int) -> bool:
+        """Whether writing size more bytes keeps the volume above its free-space floor.
+        statvfs is re-read at most once a second, or every time near the floor; bytes
+        written meanwhile are reserved against it, so a burst cannot overshoot."""
+        now = time.monotonic()
+        with self._lock:
+            checked_at, free, floor = self._free_checked
+            stale = now - checked_at >= 1.0 or free - size < 2 * floor
+        if stale:
+            try:
+                st = os.statvfs(self.layout.base)
+            except OSError:
+                return True  # cannot tell: let the write itself find out
+            free = st.f_bavail * st.f_frsize
+            floor = int(st.f_blocks * st.f_frsize * self.cfg.free_space_floor_percent / 100)
+            checked_at = now
+        with self._lock:
+            ok = free - size >= floor
+            self._free_checked = (checked_at, free - size if ok else free, floor)
+        return ok
+
+    def _store_task(self, job: _Job, index: int, key: bytes, data: memoryview,
+                    enqueued: float) -> None:
+        size = len(data)
+        ok = False
+        try:
+            ok = self._store_one(key, data, enqueued)
+        except Exception as err:  # never let one block take down an I/O thread
+            self.metrics.failed.labels(type(err).__name__).inc()
+            self._log_once(f"store-{type(err).__name__}", "kvtier store failed: %s", err)
+        finally:
+            with self._lock:
+                self._queued_write_bytes -= size
+            self._done(job, index, ok, size)
+
+    def _store_one(self, key: bytes, data: memoryview, enqueued: float) -> bool:
+        start = time.monotonic()
+        if start - enqueued > self.cfg.write_queue_seconds:
+            self.metrics.dropped.labels("stale").inc()
+            return False
+        if start < self._blocked_until:
+            self.metrics.dropped.labels("backoff").inc()
+            return False
+        if not self._free_space_ok(HEADER_SIZE + len(data)):
+            self.metrics.dropped.labels("free-space-floor").inc()
+            self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
+                           "not writing", self.cfg.free_space_floor_percent)
+            return False
+        path = self.layout.path(key)
+        if self._cached(key) or os.path.exists(path):
+            self.metrics.operations.labels("store", "exists").inc()
+            return True  # another pod or node stored it first: same bytes
+        try:
+            self._write_file(key, data, path)
+        except OSError as err:
+            name = errno.errorcode.get(err.errno or 0, type(err).__name__)
+            self.metrics.failed.labels(name).inc()
+            self._log_once(f"store-{name}", "kvtier cannot write %s: %s", path, err)
+            if err.errno in BACKOFF_ERRNOS:
+                self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
+                self._blocked_until = time.monotonic() + self._backoff
+            return False
+        self._backoff = 0.0
+        elapsed = max(time.monotonic() - start, 1e-6)
+        rate = len(data) / elapsed
+        with self._lock:
+            self._write_bps = rate if self._write_bps == 0 else 0.8 * self._write_bps + 0.2 * rate
+        self._remember(key, True)
+        self.metrics.operations.labels("store", "ok").inc()
+        self.metrics.bytes.labels("store").inc(len(data))
+        self.metrics.latency.labels("store").observe(elapsed)
+        return True
+
+    def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
+        header = encode_header(self.layout.fingerprint, key, len(data), checksum(data))
+        tmp = self.layout.temp_path(key)
+        directory = os.path.dirname(path)
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+        direct = self.o_direct
+        for attempt in range(2):
+            try:
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664)
+                break
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                self.layout.ensure_dir(directory)  # first write here, or reaped as empty
+        try:
+            try:
+                if direct:
+                    self._write_direct(fd, header, data)
+                else:
+                    self._write_all(fd, [header, data])
+                if self.cfg.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)  # close errors (NFS reports ENOSPC here) must propagate
+            try:
+                os.link(tmp, path)  # atomic and never overwrites: the first writer wins
+            except FileExistsError:
+                pass  # a concurrent writer of the same key won; ours is discarded
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                os.replace(tmp, path)  # no hard links here: a complete file either way
+                return
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        os.unlink(tmp)
+
+    @staticmethod
+    def _write_all(fd: int, parts: list[bytes | memoryview | mmap.mmap]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        total = sum(len(v) for v in views)
+        written = 0
+        while written < total:
+            n = os.writev(fd, views)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            written += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+
+    @staticmethod
+    def _read_all(fd: int, parts: list[memoryview]) -> int:
+        """preadv until the buffers are full or the file ends; returns bytes read."""
+        views = [p.cast("B") for p in parts]
+        offset = 0
+        while views:
+            n = os.preadv(fd, views, offset)
+            if n <= 0:
+                break  # end of file
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        return offset
+
+    def _write_direct(self, fd: int, header: bytes, data: memoryview) -> None:
+        if _aligned(data):
+            head = self._buffer(HEADER_SIZE)
+            head[:HEADER_SIZE] = header
+            self._write_all(fd, [memoryview(head)[:HEADER_SIZE], data])
+            return
+        total = padded(HEADER_SIZE + len(data))
+        buf = self._buffer(total)
+        buf[:HEADER_SIZE] = header
+        buf[HEADER_SIZE:HEADER_SIZE + len(data)] = data
+        buf[HEADER_SIZE + len(data):total] = bytes(total - HEADER_SIZE - len(data))
+        self._write_all(fd, [memoryview(buf)[:total]])
+
+    # ---------------------------------------------------------------- load
+
+    def load(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Queue the reads of one job into the given (writable) buffers."""
+        job = self._start_job(job_id, "load", [k for k, _ in items])
+        for i, (key, dest) in enumerate(items):
+            self._pool.submit_read(lambda j=job, i=i, k=key, d=dest: self._load_task(j, i, k, d))
+
+    def _load_task(self, job: _Job, index: int, key: bytes, dest: memoryview) -> None:
+        ok = False
+        try:
+            ok = self._load_one(key, dest)
+        except Exception as err:
+            self.metrics.operations.labels("load", "error").inc()
+            self._log_once(f"load-{type(err).__name__}", "kvtier load failed: %s", err)
+        finally:
+            self._done(job, index, ok, len(dest))
+
+    def _load_one(self, key: bytes, dest: memoryview) -> bool:
+        start = time.monotonic()
+        path = self.layout.path(key)
+        try:
+            self._read_verified(key, dest, path)
+        except FileNotFoundError:
+            self._remember(key, False)
+            self.metrics.operations.labels("load", "missing").inc()
+            return False
+        except BadBlock as bad:
+            self.metrics.corrupt.labels(bad.reason).inc()
+            self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); removed "
+                           "it, vLLM recomputes", path, bad)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            self._remember(key, False)
+            return False
+        except OSError as err:
+            name = errno.errorcode.get(err.errno or 0, type(err).__name__)
+            self.metrics.operations.labels("load", name).inc()
+            self._log_once(f"load-{name}", "kvtier cannot read %s: %s", path, err)
+            return False
+        elapsed = time.monotonic() - start
+        self.metrics.operations.labels("load", "ok").inc()
+        self.metrics.bytes.labels("load").inc(len(dest))
+        self.metrics.latency.labels("load").observe(elapsed)
+        return True
+
+    def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:
+        size = len(dest)
+        direct = self.o_direct
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            st = os.fstat(fd)
+            if st.st_size < HEADER_SIZE + size:
+                raise BadBlock("truncated", f"{st.st_size} bytes, need {HEADER_SIZE + size}")
+            if direct and not _aligned(dest):
+                total = padded(HEADER_SIZE + size)
+                buf = self._buffer(total)
+                got = self._read_all(fd, [memoryview(buf)[:total]])
+                if got < HEADER_SIZE + size:
+                    raise BadBlock("truncated", f"read {got} bytes")
+                crc = decode_header(memoryview(buf)[:HEADER_SIZE], self.layout.fingerprint,
+                                    key, size)
+                dest[:] = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + size]
+            else:
+                head = self._buffer(HEADER_SIZE) if direct else bytearray(HEADER_SIZE)
+                header_view = memoryview(head)[:HEADER_SIZE]
+                got = self._read_all(fd, [header_view, dest])
+                if got < HEADER_SIZE + size:
+                    raise BadBlock("truncated", f"read {got} bytes")
+                crc = decode_header(header_view, self.layout.fingerprint, key, size)
+            if checksum(dest) != crc:
+                raise BadBlock("bad-checksum", "payload checksum mismatch")
+        finally:
+            os.close(fd)
+        self._remember(key, True)
+        self._touch(path, st)
+
+    # ------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Finish queued work, then stop every thread."""
+        if self._closed:
+            return
+        self.drain()
+        self._closed = True
+        with self._lookup_cv:
+            self._lookup_cv.notify_all()
+        self._pool.close()
+        self._lookup_thread.join()

@@ -1,0 +1,164 @@
+"""kvtier as a secondary tier of vLLM's TieringOffloadingSpec (vLLM 0.28+, built on 0.32).
+
+vLLM's own CPU tier moves KV between GPU and pinned CPU memory; this tier moves whole
+CPU-tier rows between that memory and block files, in the scheduler process. Loaded by
+vLLM from the kv-transfer-config the operator renders:
+
+    {"type": "KvtierStorageTier", "module_path": "kvtier_offload.vllm_tier",
+     "root_dir": "/mnt/files-storage", "n_read_threads": 16, "n_write_threads": 16}
+
+Failures are first-class here: a failed load makes vLLM recompute, so the store reports
+exactly what it could verify and nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import vllm
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier_offload.layout import fingerprint
+from kvtier_offload.store import BlockStore, StoreConfig
+
+log = logging.getLogger("kvtier_offload")
+
+
+def fingerprint_config(spec: Any, row_bytes: int) -> dict[str, Any]:
+    """Everything that makes two caches' files incompatible: model, dtype, KV layout and
+    page size, block geometry, parallel layout and the vLLM version family."""
+    config = spec.config
+    parallel = config.parallel
+    layout = getattr(config, "kv_cache_layout", None)
+    return {
+        "engine": "vllm",
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "model": config.model.name,
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
+                   for g in config.groups],
+        "tp": parallel.tp_size, "pp": parallel.pp_size,
+        "pcp": parallel.pcp_size, "dcp": parallel.dcp_size,
+        "replicated_layout": bool(getattr(config, "replicated_layout", False)),
+        "canonical_layout": bool(getattr(config, "canonical_layout", False)),
+        "kv_cache_layout": str(layout) if layout is not None else None,
+        "row_bytes": row_bytes,
+    }
+
+
+class KvtierStorageTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        n_read_threads: int = 16,
+        n_write_threads: int = 16,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: Any = None,
+        o_direct: str = "auto",
+        fsync: bool = False,
+        free_space_floor_percent: float = 2.0,
+        write_queue_seconds: float = 10.0,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self._rows = np.asarray(primary_kv_view).view(np.uint8)
+        config = fingerprint_config(offloading_spec, self.block_size_bytes)
+        self.store = BlockStore(StoreConfig(
+            root=root_dir, fingerprint=fingerprint(config), read_threads=n_read_threads,
+            write_threads=n_write_threads, o_direct=o_direct, fsync=fsync,
+            free_space_floor_percent=free_space_floor_percent,
+            write_queue_seconds=write_queue_seconds,
+        ))
+        self.store.layout.write_config(config)
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                log.warning("enable_kv_events is set on tier %s but KV cache events are "
+                            "off globally; no events", tier_type)
+        log.info("kvtier tier at %s (fingerprint %s, O_DIRECT %s, %d+%d threads)",
+                 self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
+                 n_read_threads, n_write_threads)
+
+    def _row(self, chunk_id: int) -> memoryview:
+        return memoryview(self._rows[int(chunk_id)])
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        present = self.store.lookup(bytes(key))
+        if present is None:
+            return LookupResult.RETRY  # resolving in the background; vLLM asks again
+        return LookupResult.HIT if present else LookupResult.MISS
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        return  # recency lives on the files' atime, refreshed on every hit and load
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        items = [(bytes(k), self._row(c))
+                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
+        self.store.store(job_metadata.job_id, items)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        items = [(bytes(k), self._row(c))
+                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
+        self.store.load(job_metadata.job_id, items)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for outcome in self.store.finished():
+            if outcome.kind == "load" and not outcome.success:
+                ok = outcome.ok_prefix
+                results.append(JobResult(job_id=outcome.job_id, success=False,
+                                         successful_keys=tuple(OffloadKey(k) for k in ok)
+                                         if ok else None,
+                                         transfer_time=outcome.seconds,
+                                         transfer_bytes=len(ok) * self.block_size_bytes))
+                continue
+            if outcome.kind == "store" and self.events is not None:
+                stored = [OffloadKey(k) for k, good in zip(outcome.keys, outcome.ok,
+                                                           strict=True) if good]
+                if stored:
+                    self.events.append(OffloadingEvent(keys=stored, medium=self.medium,
+                                                       removed=False, locality=self.locality))
+            results.append(JobResult(job_id=outcome.job_id, success=outcome.success,
+                                     transfer_time=outcome.seconds,
+                                     transfer_bytes=outcome.nbytes))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self.store.pending_jobs() > 0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            out, self.events = self.events, []
+            return out
+        return ()
+
+    def drain_jobs(self) -> None:
+        self.store.drain()
+
+    def shutdown(self) -> None:
+        self.store.close()

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+from kvtier_offload.store import BlockStore, StoreConfig
+
+FP = "00112233aabbccdd"
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    stores: list[BlockStore] = []
+
+    def make(root=None, **kw) -> BlockStore:
+        kw.setdefault("read_threads", 2)
+        kw.setdefault("write_threads", 2)
+        kw.setdefault("fingerprint", FP)
+        store = BlockStore(StoreConfig(root=str(root or tmp_path), **kw))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def rows(n: int, size: int, seed: int = 0) -> list[memoryview]:
+    """n page-aligned rows of random bytes, as vLLM's CPU tier hands them over."""
+    arena = mmap.mmap(-1, n * size)
+    rng = __import__("random").Random(seed)
+    arena[:] = rng.randbytes(n * size)
+    return [memoryview(arena)[i * size:(i + 1) * size] for i in range(n)]
+
+
+def keys(n: int, salt: bytes = b"") -> list[bytes]:
+    return [os.urandom(32) + i.to_bytes(4, "big") if not salt else
+            __import__("hashlib").sha256(salt + bytes([i])).digest() + b"\0\0\0\0"
+            for i in range(n)]
+
+
+def run_store(store: BlockStore, job_id: int, items) -> object:
+    store.store(job_id, items)
+    assert store.drain(30)
+    (outcome,) = [o for o in store.finished() if o.job_id == job_id]
+    return outcome
+
+
+def run_load(store: BlockStore, job_id: int, items) -> object:
+    store.load(job_id, items)
+    assert store.drain(30)
+    (outcome,) = [o for o in store.finished() if o.job_id == job_id]
+    return outcome

@@ -1,0 +1,40 @@
+"""`python -m kvtier_offload install` (the init container's command) and `probe`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kvtier_offload.cli import main
+
+
+def test_install_copies_a_package_that_imports_from_the_target(tmp_path):
+    target = tmp_path / "site"
+    assert main(["install", "--target", str(target)]) == 0
+    assert (target / "kvtier_offload" / "store.py").exists()
+    assert not list(target.rglob("__pycache__"))
+    # it imports from there in a clean interpreter that has no kvtier installed
+    env = {"PYTHONPATH": str(target), "PATH": os.environ["PATH"]}
+    site = sorted(p for p in sys.path if "site-packages" in p)[0]  # numpy lives there
+    code = (f"import sys; sys.path.append({site!r}); import kvtier_offload.layout as m; "
+            "print(m.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.startswith(str(target))
+
+
+def test_install_twice_replaces_cleanly(tmp_path):
+    assert main(["install", "--target", str(tmp_path)]) == 0
+    assert main(["install", "--target", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvtier_offload"]
+
+
+def test_probe_measures_and_judges(tmp_path, capsys):
+    code = main(["probe", "--path", str(tmp_path), "--block-bytes", str(1 << 20),
+                 "--total-bytes", str(8 << 20), "--threads", "2",
+                 "--kv-bytes-per-token", "262144", "--prefill-tokens-per-second", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "store" in out and "GB/s" in out and "loading beats recomputing" in out
+    assert os.listdir(tmp_path) == []  # the probe cleans up after itself

@@ -1,0 +1,332 @@
+"""The block store: format, layout, isolation, atomicity, bad files, errors, overload."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import struct
+import time
+
+import pytest
+
+from kvtier_evictor.layouts import KVTIER, Kind
+from kvtier_offload.fileformat import HEADER_SIZE, MAGIC, BadBlock, decode_header, encode_header
+from kvtier_offload.layout import Layout, fingerprint
+from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
+from tests.offload.conftest import FP, keys, rows, run_load, run_store
+
+SIZE = 64 * 1024
+
+
+def test_round_trip_and_file_format(make_store, tmp_path):
+    store = make_store()
+    ks, src = keys(4), rows(4, SIZE, seed=1)
+    assert run_store(store, 1, list(zip(ks, src))).success
+    path = store.layout.path(ks[0])
+    h = ks[0].hex()
+    assert path == str(tmp_path / "kvtier" / "v1" / FP / h[:2] / h[2:4] / f"{h}.kvb")
+    raw = open(path, "rb").read()
+    assert raw[:4] == MAGIC
+    assert len(raw) == HEADER_SIZE + SIZE
+    assert raw[HEADER_SIZE:] == bytes(src[0])
+    dest = rows(4, SIZE, seed=2)
+    outcome = run_load(store, 2, list(zip(ks, dest)))
+    assert outcome.success and outcome.nbytes == 4 * SIZE
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+
+
+def test_files_are_what_the_evictor_expects(make_store, tmp_path):
+    store = make_store()
+    ks = keys(3)
+    run_store(store, 1, list(zip(ks, rows(3, SIZE))))
+    for k in ks:
+        rel = os.path.relpath(store.layout.path(k), tmp_path).split(os.sep)
+        assert all(p.match(d) for p, d in zip(KVTIER.dir_levels, rel[:-1], strict=True))
+        assert KVTIER.classify(rel[-1]) is Kind.BLOCK
+    assert KVTIER.classify(os.path.basename(store.layout.temp_path(ks[0]))) is Kind.TEMP
+    assert (tmp_path / "kvtier" / "v1" / FP / "config.json").exists() is False  # adapter writes it
+    layout = Layout(str(tmp_path), FP)
+    layout.write_config({"model": "m"})
+    assert KVTIER.classify("config.json") is None
+
+
+def test_directories_are_group_writable(make_store, tmp_path):
+    old = os.umask(0o022)
+    try:
+        store = make_store()
+        k = keys(1)
+        run_store(store, 1, list(zip(k, rows(1, SIZE))))
+    finally:
+        os.umask(old)
+    leaf = os.path.dirname(store.layout.path(k[0]))
+    assert os.stat(leaf).st_mode & 0o2070 == 0o2070  # setgid + group rwx
+
+
+def test_fingerprint_isolates_configurations(make_store, tmp_path):
+    a = make_store(fingerprint=fingerprint({"model": "a", "dtype": "bfloat16"}))
+    b = make_store(fingerprint=fingerprint({"model": "a", "dtype": "float16"}))
+    assert a.layout.fingerprint != b.layout.fingerprint
+    ks = keys(2)
+    run_store(a, 1, list(zip(ks, rows(2, SIZE))))
+    assert b.lookup_now(ks) == [False, False]
+    # a file copied under another fingerprint is refused as foreign, never served
+    target = b.layout.path(ks[0])
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.link(a.layout.path(ks[0]), target)
+    outcome = run_load(b, 2, [(ks[0], rows(1, SIZE)[0])])
+    assert not outcome.success
+    assert not os.path.exists(target) and os.path.exists(a.layout.path(ks[0]))
+
+
+def test_same_fingerprint_shares_across_stores(make_store, tmp_path):
+    a, b = make_store(), make_store()
+    ks, src = keys(3), rows(3, SIZE, seed=5)
+    run_store(a, 1, list(zip(ks, src)))
+    dest = rows(3, SIZE, seed=6)
+    assert run_load(b, 1, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+
+
+def _writer(root: str, seed: int, n: int, barrier) -> int:
+    store = BlockStore(StoreConfig(root=root, fingerprint=FP, read_threads=1, write_threads=4))
+    ks = [bytes([i]) * 36 for i in range(n)]
+    data = rows(n, SIZE, seed=42)  # every process writes the same bytes for a key
+    barrier.wait()
+    store.store(1, list(zip(ks, data)))
+    store.drain()
+    (outcome,) = store.finished()
+    store.close()
+    return sum(outcome.ok)
+
+
+def test_many_processes_writing_the_same_keys(tmp_path):
+    n, procs = 40, 4
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Manager().Barrier(procs)
+    with ctx.Pool(procs) as pool:
+        counts = pool.starmap(_writer, [(str(tmp_path), s, n, barrier) for s in range(procs)])
+    assert counts == [n] * procs  # every writer reports success: the block is stored
+    store = BlockStore(StoreConfig(root=str(tmp_path), fingerprint=FP))
+    try:
+        ks = [bytes([i]) * 36 for i in range(n)]
+        dest = rows(n, SIZE, seed=7)
+        assert run_load(store, 9, list(zip(ks, dest))).success
+        assert [bytes(d) for d in dest] == [bytes(r) for r in rows(n, SIZE, seed=42)]
+    finally:
+        store.close()
+    leftovers = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
+    assert leftovers == []
+
+
+def _corrupt(path: str, how: str) -> None:
+    raw = bytearray(open(path, "rb").read())
+    if how == "truncated":
+        raw = raw[: HEADER_SIZE + 100]
+    elif how == "zero-filled":
+        raw = bytearray(len(raw))
+    elif how == "payload-flip":
+        raw[HEADER_SIZE + 7] ^= 0xFF
+    elif how == "header-flip":
+        raw[20] ^= 0x01
+    elif how == "empty":
+        raw = bytearray()
+    elif how == "foreign-key":
+        raw[: HEADER_SIZE] = encode_header(FP, b"\x99" * 36, len(raw) - HEADER_SIZE,
+                                            struct.unpack_from("<I", raw, 24)[0])
+    with open(path, "wb") as f:
+        f.write(raw)
+
+
+@pytest.mark.parametrize("how", ["truncated", "zero-filled", "payload-flip", "header-flip",
+                                 "empty", "foreign-key"])
+def test_bad_files_are_refused_removed_and_counted(make_store, how):
+    store = make_store()
+    ks, src = keys(3), rows(3, SIZE, seed=3)
+    run_store(store, 1, list(zip(ks, src)))
+    _corrupt(store.layout.path(ks[1]), how)
+    dest = rows(3, SIZE, seed=4)
+    outcome = run_load(store, 2, list(zip(ks, dest)))
+    assert not outcome.success
+    assert outcome.ok == [True, False, True]
+    assert outcome.ok_prefix == [ks[0]]
+    assert not os.path.exists(store.layout.path(ks[1]))
+    assert store.lookup_now([ks[1]]) == [False]
+
+
+def test_bad_file_metric_counts(make_store):
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("kvtier_offload_corrupt_files_total",
+                                         {"reason": "bad-checksum"}) or 0.0
+
+    store = make_store()
+    ks = keys(1)
+    run_store(store, 1, list(zip(ks, rows(1, SIZE))))
+    _corrupt(store.layout.path(ks[0]), "payload-flip")
+    before = count()
+    run_load(store, 2, [(ks[0], rows(1, SIZE)[0])])
+    assert count() == before + 1
+
+
+def test_decode_header_rejects_each_field():
+    good = encode_header(FP, b"k" * 36, 100, 5)
+    assert decode_header(good, FP, b"k" * 36, 100) == 5
+    with pytest.raises(BadBlock, match="foreign"):
+        decode_header(good, "ffffffffffffffff", b"k" * 36, 100)
+    with pytest.raises(BadBlock, match="foreign"):
+        decode_header(good, FP, b"j" * 36, 100)
+    with pytest.raises(BadBlock, match="bad-length"):
+        decode_header(good, FP, b"k" * 36, 101)
+    with pytest.raises(BadBlock, match="bad-magic"):
+        decode_header(b"XXXX" + good[4:], FP, b"k" * 36, 100)
+
+
+def test_missing_file_is_a_failed_key_not_an_error(make_store):
+    store = make_store()
+    ks = keys(2)
+    run_store(store, 1, [(ks[0], rows(1, SIZE)[0])])
+    outcome = run_load(store, 2, list(zip(ks, rows(2, SIZE))))
+    assert outcome.ok == [True, False]
+
+
+def test_store_of_existing_key_is_skipped(make_store):
+    store = make_store()
+    ks = keys(1)
+    run_store(store, 1, [(ks[0], rows(1, SIZE, seed=1)[0])])
+    mtime = os.stat(store.layout.path(ks[0])).st_mtime_ns
+    assert run_store(store, 2, [(ks[0], rows(1, SIZE, seed=2)[0])]).success
+    assert os.stat(store.layout.path(ks[0])).st_mtime_ns == mtime
+
+
+def test_injected_write_errors_fail_the_job_and_back_off(make_store, monkeypatch):
+    store = make_store()
+    real = os.writev
+
+    def failing(fd, bufs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "writev", failing)
+    ks = keys(2)
+    outcome = run_store(store, 1, list(zip(ks, rows(2, SIZE))))
+    assert not outcome.success
+    monkeypatch.setattr(os, "writev", real)
+    # backing off: fails fast without touching the volume
+    assert not run_store(store, 2, list(zip(keys(1), rows(1, SIZE)))).success
+    store._blocked_until = 0.0
+    assert run_store(store, 3, list(zip(keys(1), rows(1, SIZE)))).success
+    tmps = [f for _, _, files in os.walk(store.layout.base) for f in files if f.endswith(".tmp")]
+    assert tmps == []
+
+
+def test_close_errors_are_seen(make_store, monkeypatch):
+    store = make_store()
+    real_close = os.close
+    failed = []
+
+    def close(fd):
+        real_close(fd)
+        if not failed and os.path.exists(store.layout.base):
+            failed.append(fd)
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    k = keys(1)
+    monkeypatch.setattr(os, "close", close)
+    assert not run_store(store, 1, [(k[0], rows(1, SIZE)[0])]).success
+    monkeypatch.setattr(os, "close", real_close)
+    assert not os.path.exists(store.layout.path(k[0]))
+
+
+def test_free_space_floor_stops_writes(make_store):
+    store = make_store(free_space_floor_percent=100.0)
+    ks = keys(2)
+    outcome = run_store(store, 1, list(zip(ks, rows(2, SIZE))))
+    assert outcome.ok == [False, False]
+    assert not any(os.path.exists(store.layout.path(k)) for k in ks)
+
+
+def test_overload_drops_stores_and_never_reports_them(make_store, monkeypatch):
+    store = make_store(write_threads=1, read_threads=1, write_queue_seconds=0.2)
+    real = store._write_file
+
+    def slow(*args):
+        time.sleep(0.1)
+        return real(*args)
+
+    monkeypatch.setattr(store, "_write_file", slow)
+    ks = keys(20)
+    outcome = run_store(store, 1, list(zip(ks, rows(20, SIZE))))
+    stored = [k for k, ok in zip(ks, outcome.ok) if ok]
+    dropped = [k for k, ok in zip(ks, outcome.ok) if not ok]
+    assert stored and dropped
+    assert all(os.path.exists(store.layout.path(k)) for k in stored)
+    assert not any(os.path.exists(store.layout.path(k)) for k in dropped)
+    # with a throughput estimate in hand, an oversized job is dropped at submit
+    outcome = run_store(store, 2, list(zip(keys(50), rows(50, SIZE))))
+    assert outcome.ok == [False] * 50
+
+
+def test_lookup_is_async_cached_and_refreshes_atime(make_store):
+    store = make_store(touch_interval=0.0)
+    ks = keys(2)
+    run_store(store, 1, [(ks[0], rows(1, SIZE)[0])])
+    store.forget(ks[0])
+    path = store.layout.path(ks[0])
+    os.utime(path, (1000.0, os.stat(path).st_mtime))
+    answers = [store.lookup(ks[0])]
+    deadline = time.time() + 5
+    while answers[-1] is None and time.time() < deadline:
+        time.sleep(0.01)
+        answers.append(store.lookup(ks[0]))
+    assert answers[0] is None and answers[-1] is True
+    assert os.stat(path).st_atime > 1000.0  # the hit refreshed it
+    assert store.lookup_now([ks[1]]) == [False]
+
+
+def test_o_direct_probe_and_forced_buffered(make_store, tmp_path):
+    buffered = make_store(o_direct="off")
+    assert buffered.o_direct is False
+    ks, src = keys(2), rows(2, SIZE, seed=9)
+    run_store(buffered, 1, list(zip(ks, src)))
+    direct = make_store(o_direct="auto")
+    dest = [memoryview(bytearray(SIZE)) for _ in ks]  # unaligned: the bounce path
+    assert run_load(direct, 1, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+    assert isinstance(probe_o_direct(str(tmp_path)), bool)
+
+
+def test_unaligned_rows_round_trip(make_store):
+    store = make_store()
+    src = [memoryview(bytearray(os.urandom(SIZE + 100)))[3:3 + SIZE + 17] for _ in range(3)]
+    ks = keys(3)
+    assert run_store(store, 1, list(zip(ks, src))).success
+    dest = [memoryview(bytearray(SIZE + 17)) for _ in range(3)]
+    assert run_load(store, 2, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+
+
+def test_drain_and_close_finish_queued_work(make_store):
+    store = make_store(write_threads=1)
+    ks = keys(30)
+    store.store(1, list(zip(ks, rows(30, SIZE))))
+    store.close()
+    assert all(os.path.exists(store.layout.path(k)) for k in ks)
+
+
+def test_o_direct_refused_falls_back_to_buffered(make_store, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    store = make_store(o_direct="auto")
+    assert store.o_direct is False
+    ks, src = keys(2), rows(2, SIZE, seed=11)
+    assert run_store(store, 1, list(zip(ks, src))).success
+    dest = rows(2, SIZE, seed=12)
+    assert run_load(store, 2, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]

