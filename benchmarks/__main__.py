@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-BENCHES = ["evictor"]
+BENCHES = ["store", "evictor"]
 
 
 def machine() -> str:

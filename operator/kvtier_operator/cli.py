@@ -77,6 +77,13 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    from kvtier_operator.app import run
+
+    run(args.metrics_port, args.liveness, args.namespace or [], args.log_format == "json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     crd_cmd = sub.add_parser("crd", help="print (or write) the generated CRD")
     crd_cmd.add_argument("-o", "--output", help="write to this file")
     crd_cmd.set_defaults(func=cmd_crd)
+
+    op = sub.add_parser("operator", help="run the operator (kopf, standalone)")
+    op.add_argument("--metrics-port", type=int, default=8080, help="0 disables metrics")
+    op.add_argument("--liveness", default="http://0.0.0.0:8081/healthz")
+    op.add_argument("--namespace", action="append", help="watch only these (repeatable)")
+    op.add_argument("--log-format", choices=["json", "text"], default="json")
+    op.set_defaults(func=cmd_operator)
     return parser
 
 

@@ -65,3 +65,10 @@ class Metrics:
                            "Stores that failed", ("error",))
         self.queue_depth = _get("Gauge", "kvtier_offload_queue_depth",
                                 "Queued block operations", ("direction",))
+        # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
+        self.store_ok = self.operations.labels("store", "ok")
+        self.load_ok = self.operations.labels("load", "ok")
+        self.store_bytes = self.bytes.labels("store")
+        self.load_bytes = self.bytes.labels("load")
+        self.store_latency = self.latency.labels("store")
+        self.load_latency = self.latency.labels("load")

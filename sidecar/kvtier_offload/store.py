@@ -389,9 +389,9 @@ class BlockStore:
         with self._lock:
             self._write_bps = rate if self._write_bps == 0 else 0.8 * self._write_bps + 0.2 * rate
         self._remember(key, True)
-        self.metrics.operations.labels("store", "ok").inc()
-        self.metrics.bytes.labels("store").inc(len(data))
-        self.metrics.latency.labels("store").observe(elapsed)
+        self.metrics.store_ok.inc()
+        self.metrics.store_bytes.inc(len(data))
+        self.metrics.store_latency.observe(elapsed)
         return True
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
@@ -418,22 +418,17 @@ class BlockStore:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)  # close errors (NFS reports ENOSPC here) must propagate
-            try:
-                os.link(tmp, path)  # atomic and never overwrites: the first writer wins
-            except FileExistsError:
-                pass  # a concurrent writer of the same key won; ours is discarded
-            except OSError as err:
-                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                    raise
-                os.replace(tmp, path)  # no hard links here: a complete file either way
-                return
+            # Atomic publish. A concurrent writer of the same key wrote the same bytes
+            # (the key is a hash of the tokens under one fingerprint): whichever rename
+            # lands last wins, readers keep whatever inode they opened, nothing mixes.
+            os.replace(tmp, path)
+            return
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
-        os.unlink(tmp)
 
     @staticmethod
     def _write_all(fd: int, parts: list[bytes | memoryview | mmap.mmap]) -> None:
@@ -524,9 +519,9 @@ class BlockStore:
             self._log_once(f"load-{name}", "kvtier cannot read %s: %s", path, err)
             return False
         elapsed = time.monotonic() - start
-        self.metrics.operations.labels("load", "ok").inc()
-        self.metrics.bytes.labels("load").inc(len(dest))
-        self.metrics.latency.labels("load").observe(elapsed)
+        self.metrics.load_ok.inc()
+        self.metrics.load_bytes.inc(len(dest))
+        self.metrics.load_latency.observe(elapsed)
         return True
 
     def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:

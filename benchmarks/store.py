@@ -1,0 +1,164 @@
+"""Block store vs vLLM 0.32's built-in fs tier I/O vs the raw device, in one run.
+
+Same directory, same block sizes, same total thread count, O_DIRECT wherever the
+filesystem takes it (both probe it). kvtier computes and verifies a crc32 per block;
+vLLM's tier (its fs_io_C extension where built) writes and reads raw bytes. The raw
+device figure is one sequential O_DIRECT stream over one file, no per-block files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
+
+TOTAL = int(os.environ.get("KVTIER_BENCH_STORE_BYTES", str(2 << 30)))
+THREADS = int(os.environ.get("KVTIER_BENCH_THREADS", "16"))
+BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20)
+ARENA_ROWS = 64
+
+
+def drop_caches() -> None:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass  # not root: loads may then be served partly from the page cache
+
+
+def keys(n: int, salt: str) -> list[bytes]:
+    return [hashlib.sha256(f"{salt}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
+
+
+def vllm_fs(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
+    from vllm.v1.kv_offload.tiering.fs import io
+
+    direct = io.probe_o_direct(root)
+    view = memoryview(arena)
+    paths = []
+    for k in keys(n, "vllm"):
+        h = k[:32].hex()
+        paths.append(os.path.join(root, "vllm_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin"))
+    offsets = [(i % ARENA_ROWS) * block for i in range(n)]
+    batches = [list(range(t, n, THREADS)) for t in range(THREADS)]
+
+    def run(fn: Callable[..., None]) -> float:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(lambda idx: fn([paths[i] for i in idx], view,
+                                         [offsets[i] for i in idx], block, direct), batches))
+        return time.perf_counter() - start
+
+    store_s = run(io.batch_store_block)
+    drop_caches()
+    load_s = run(io.batch_load_block)
+    return n * block / store_s / 1e9, n * block / load_s / 1e9
+
+
+def kvtier(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
+    half = max(THREADS // 2, 1)
+    store = BlockStore(StoreConfig(root=root, fingerprint="0123456789abcdef", read_threads=half,
+                                   write_threads=THREADS - half, write_queue_seconds=3600))
+    try:
+        rows = [memoryview(arena)[i * block:(i + 1) * block] for i in range(ARENA_ROWS)]
+        ks = keys(n, "kvtier")
+        items = [(k, rows[i % ARENA_ROWS]) for i, k in enumerate(ks)]
+        start = time.perf_counter()
+        store.store(1, items)
+        store.drain()
+        store_s = time.perf_counter() - start
+        assert store.finished()[0].success
+        drop_caches()
+        start = time.perf_counter()
+        store.load(2, items)
+        store.drain()
+        load_s = time.perf_counter() - start
+        assert store.finished()[0].success
+    finally:
+        store.close()
+    return n * block / store_s / 1e9, n * block / load_s / 1e9
+
+
+def raw_device(root: str, total: int) -> tuple[float, float]:
+    chunk = 16 << 20
+    buf = mmap.mmap(-1, chunk)
+    buf[:] = os.urandom(chunk)
+    path = os.path.join(root, "raw.bin")
+    flags = os.O_DIRECT if probe_o_direct(root) else 0
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | flags, 0o600)
+    start = time.perf_counter()
+    for _ in range(total // chunk):
+        os.write(fd, buf)
+    os.close(fd)
+    write_s = time.perf_counter() - start
+    drop_caches()
+    fd = os.open(path, os.O_RDONLY | flags)
+    start = time.perf_counter()
+    while os.readv(fd, [buf]) > 0:
+        pass
+    os.close(fd)
+    read_s = time.perf_counter() - start
+    return total / write_s / 1e9, total / read_s / 1e9
+
+
+ROUNDS = int(os.environ.get("KVTIER_BENCH_ROUNDS", "3"))
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def compare(base: str, label: str) -> None:
+    """Alternate vLLM and kvtier for ROUNDS rounds per block size; medians (the VM disks
+    these run on swing by 2-5x between minutes, so single runs mislead)."""
+    print(f"\n### {label}: {base}, O_DIRECT {'yes' if probe_o_direct(base) else 'no'}, "
+          f"{TOTAL >> 20} MiB per run, {THREADS} threads, median of {ROUNDS} alternating rounds")
+    raw = [raw_device(base, TOTAL) for _ in range(ROUNDS)]
+    os.unlink(os.path.join(base, "raw.bin"))
+    raw_w, raw_r = median([w for w, _ in raw]), median([r for _, r in raw])
+    print(f"raw (one O_DIRECT stream): write {raw_w:.2f} GB/s, read {raw_r:.2f} GB/s\n")
+    print("| block | vLLM fs store | kvtier store | ratio | vLLM fs load | kvtier load | ratio |"
+          " kvtier/raw store | kvtier/raw load |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for block in BLOCK_SIZES:
+        n = max(TOTAL // block, 1)
+        arena = mmap.mmap(-1, ARENA_ROWS * block)
+        arena[:] = os.urandom(ARENA_ROWS * block)
+        results: dict[str, list[tuple[float, float]]] = {"vllm": [], "kvtier": []}
+        for _ in range(ROUNDS):
+            for name, fn in (("vllm", vllm_fs), ("kvtier", kvtier)):
+                root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
+                try:
+                    results[name].append(fn(root, block, n, arena))
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+        v_store = median([s for s, _ in results["vllm"]])
+        v_load = median([x for _, x in results["vllm"]])
+        k_store = median([s for s, _ in results["kvtier"]])
+        k_load = median([x for _, x in results["kvtier"]])
+        print(f"| {block >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
+              f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
+              f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} |")
+
+
+def main() -> None:
+    disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix="kvtier-bench-store-")
+    try:
+        compare(disk, "disk")
+    finally:
+        if not os.environ.get("KVTIER_BENCH_DIR"):
+            shutil.rmtree(disk, ignore_errors=True)
+    if os.path.isdir("/dev/shm"):
+        ram = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir="/dev/shm")
+        try:
+            compare(ram, "RAM (/dev/shm: no device, software cost only)")
+        finally:
+            shutil.rmtree(ram, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""`kvtier operator`: the kopf operator process, standalone, with liveness and metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+from kubernetes import client, config
+from prometheus_client import start_http_server
+
+from kvtier_operator.gateway import Gateway
+from kvtier_operator.handlers import OperatorConfig, register
+from kvtier_operator.render.context import (
+    DEFAULT_OPERATOR_IMAGE,
+    DEFAULT_SIDECAR_IMAGE,
+    RenderContext,
+)
+
+
+def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
+    env = dict(os.environ if env is None else env)
+    return OperatorConfig(
+        render=RenderContext(
+            sidecar_image=env.get("KVTIER_SIDECAR_IMAGE", DEFAULT_SIDECAR_IMAGE),
+            evictor_image=env.get("KVTIER_OPERATOR_IMAGE", DEFAULT_OPERATOR_IMAGE),
+            image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
+        ),
+        drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
+    )
+
+
+def api_client() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool) -> None:
+    kopf.configure(verbose=False, log_format=kopf.LogFormat.JSON if json_logs
+                   else kopf.LogFormat.FULL)
+    logging.getLogger("kvtier_operator").setLevel(logging.INFO)
+    registry = kopf.OperatorRegistry()
+    shared: dict[str, Gateway] = {}
+
+    def gateway() -> Gateway:
+        if "gw" not in shared:
+            shared["gw"] = Gateway(api_client())
+        return shared["gw"]
+
+    register(registry, config_from_env(), gateway)
+    if metrics_port:
+        start_http_server(metrics_port)
+    kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
+             namespaces=namespaces, liveness_endpoint=liveness)

@@ -1,0 +1,190 @@
+"""The thin API gateway: every Kubernetes call the operator makes, through the official
+client, with plain dicts in and out.
+
+Objects are applied as create-then-merge-patch (idempotent, and it needs nothing from
+the server beyond CRUD). Conflicts and 429/5xx are retried here with backoff and then
+surface as RetryableError; any other 4xx is ApiRejected carrying the server's message,
+which the reconciler turns into a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from kvtier_operator import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("kvtier_operator")
+FIELD_MANAGER = "kvtier-operator"
+RETRYABLE = {409, 429, 500, 502, 503, 504}
+
+
+class ApiRejected(Exception):
+    """A 4xx the server will repeat: the object or request itself is wrong."""
+
+    def __init__(self, status: int, reason: str, message: str, what: str) -> None:
+        self.status, self.reason, self.message, self.what = status, reason, message, what
+        super().__init__(f"{what}: {status} {reason}: {message}")
+
+
+class RetryableError(Exception):
+    """Conflicts, throttling and server errors that outlasted the retries here."""
+
+
+def _decode(err: ApiException) -> tuple[str, str]:
+    try:
+        body = json.loads(err.body or "{}")
+        return str(body.get("reason") or err.reason), str(body.get("message") or err.reason)
+    except ValueError:
+        return str(err.reason), str(err.body or err.reason)
+
+
+class Gateway:
+    def __init__(self, api_client: client.ApiClient, retries: int = 3,
+                 backoff: float = 0.2, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.retries, self.backoff, self.sleep = retries, backoff, sleep
+        # Per kind: (read, create, patch, delete), namespaced, by name.
+        self._ops: dict[str, tuple[Callable[..., Any], ...]] = {
+            "PersistentVolumeClaim": (
+                self.core.read_namespaced_persistent_volume_claim,
+                self.core.create_namespaced_persistent_volume_claim,
+                self.core.patch_namespaced_persistent_volume_claim,
+                self.core.delete_namespaced_persistent_volume_claim),
+            "CronJob": (self.batch.read_namespaced_cron_job,
+                        self.batch.create_namespaced_cron_job,
+                        self.batch.patch_namespaced_cron_job,
+                        self.batch.delete_namespaced_cron_job),
+            "ConfigMap": (self.core.read_namespaced_config_map,
+                          self.core.create_namespaced_config_map,
+                          self.core.patch_namespaced_config_map,
+                          self.core.delete_namespaced_config_map),
+            "Deployment": (self.apps.read_namespaced_deployment, None,
+                           self.apps.patch_namespaced_deployment, None),
+            "StatefulSet": (self.apps.read_namespaced_stateful_set, None,
+                            self.apps.patch_namespaced_stateful_set, None),
+        }
+
+    # ------------------------------------------------------------- plumbing
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, creating: bool = False,
+              **kwargs: Any) -> Any:
+        # A 409 on create means "already exists" (perhaps by our own earlier attempt whose
+        # response was lost): the caller handles it; elsewhere 409 is a conflict to retry.
+        retryable = RETRYABLE - {409} if creating else RETRYABLE
+        for attempt in range(self.retries + 1):
+            try:
+                response = fn(*args, _preload_content=False, **kwargs)
+                data = response.data
+                return json.loads(data) if data else {}
+            except ApiException as err:
+                reason, message = _decode(err)
+                if err.status in retryable and attempt < self.retries:
+                    delay = self.backoff * 2**attempt
+                    log.info("%s: %s %s, retrying in %.1fs", what, err.status, reason, delay)
+                    self.sleep(delay)
+                    continue
+                if err.status in retryable:
+                    raise RetryableError(f"{what}: {err.status} {reason}: {message}") from None
+                raise ApiRejected(int(err.status or 0), reason, message, what) from None
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _what(kind: str, namespace: str, name: str) -> str:
+        return f"{kind} {namespace}/{name}"
+
+    # ---------------------------------------------------------------- CRUD
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        read = self._ops[kind][0]
+        try:
+            return self._call(self._what(kind, namespace, name), read, name, namespace)
+        except ApiRejected as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        create = self._ops[obj["kind"]][1]
+        return self._call(self._what(obj["kind"], meta["namespace"], meta["name"]), create,
+                          meta["namespace"], obj, field_manager=FIELD_MANAGER, creating=True)
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        patch = self._ops[kind][2]
+        return self._call(self._what(kind, namespace, name), patch, name, namespace, body,
+                          field_manager=FIELD_MANAGER,
+                          _content_type="application/merge-patch+json")
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        delete = self._ops[kind][3]
+        try:
+            self._call(self._what(kind, namespace, name), delete, name, namespace,
+                       propagation_policy="Background")
+            return True
+        except ApiRejected as err:
+            if err.status == 404:
+                return False
+            raise
+
+    def ensure(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Create obj, or merge-patch it where the live object differs from it.
+        Returns ("created" | "updated" | "unchanged", live object)."""
+        meta = obj["metadata"]
+        kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
+        live = self.get(kind, ns, name)
+        if live is None:
+            try:
+                return "created", self.create(obj)
+            except ApiRejected as err:
+                if err.status != 409:
+                    raise
+                live = self.get(kind, ns, name) or {}
+        if contains(live, obj):
+            return "unchanged", live
+        return "updated", self.patch(kind, ns, name, obj)
+
+    # ---------------------------------------------------------------- reads
+
+    def events_for(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        data = self._call(f"events of {kind} {namespace}/{name}", self.core.list_namespaced_event,
+                          namespace, field_selector=selector)
+        items = [e for e in data.get("items", [])
+                 if (e.get("involvedObject") or {}).get("name") == name]
+        return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call(f"TieredPrefixCache {namespace}/{name}",
+                              self.custom.get_namespaced_custom_object, GROUP, VERSION,
+                              namespace, PLURAL, name)
+        except ApiRejected as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self._call(f"status of {name}", self.custom.patch_namespaced_custom_object_status,
+                   GROUP, VERSION, namespace, PLURAL, name, {"status": status},
+                   field_manager=FIELD_MANAGER,
+                   _content_type="application/merge-patch+json")
+
+
+def contains(live: Any, want: Any) -> bool:
+    """Whether every field of want is present, equal, in live (lists compared whole)."""
+    if isinstance(want, dict):
+        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return (isinstance(live, list) and len(live) == len(want)
+                and all(contains(a, b) for a, b in zip(live, want, strict=True)))
+    return bool(live == want)

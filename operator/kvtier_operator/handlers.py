@@ -1,0 +1,169 @@
+"""kopf wiring: thin handlers around `reconcile()`, pod indexes, and the drift loop.
+
+No finalizer, because cleanup needs none: the CronJob, the router ConfigMap and a
+deletePolicy-Delete claim carry owner references, so the garbage collector removes them
+with the resource, and a retained claim has none. (kopf runs delete handlers only on
+objects its own finalizer holds, so there is no delete handler either.) Drift repair is
+the operator's own periodic loop, not a kopf timer, which would add a finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from kvtier_operator import GROUP, PLURAL, VERSION, metrics
+from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
+from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
+from kvtier_operator.reconcile import Outcome, reconcile
+from kvtier_operator.render import names
+from kvtier_operator.render.context import RenderContext
+
+log = logging.getLogger("kvtier_operator")
+TPC = (GROUP, VERSION, PLURAL)
+
+
+@dataclass
+class OperatorConfig:
+    render: RenderContext
+    drift_interval: float = 60.0
+    retry_delay: float = 10.0
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _flatten(index: Any, key: Any = None) -> list[Any]:
+    """All values of a kopf index (or of one key of it)."""
+    if key is not None:
+        return list(index.get(key, ()))
+    return [value for store in index.values() for value in store]
+
+
+def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
+                  pods: Iterable[PodView], runs: Iterable[EvictorRun]) -> Outcome:
+    meta = body.get("metadata") or {}
+    start = time.perf_counter()
+    try:
+        outcome = reconcile(body, gw, config.render, list(pods), list(runs), now_iso())
+    except RetryableError:
+        metrics.RECONCILES.labels("retry").inc()
+        metrics.ERRORS.labels("retryable").inc()
+        raise
+    except ApiRejected:
+        metrics.RECONCILES.labels("error").inc()
+        metrics.ERRORS.labels("rejected").inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
+    invalid = any(c.get("reason") == "InvalidSpec" for c in outcome.status["conditions"])
+    metrics.RECONCILES.labels("invalid" if invalid else "ok" if outcome.ok else "degraded").inc()
+    if not invalid:
+        labels = (meta.get("namespace", ""), meta.get("name", ""))
+        metrics.INJECTED_PODS.labels(*labels).set(outcome.status["injectedPods"])
+        metrics.PENDING_PODS.labels(*labels).set(outcome.status["pendingPods"])
+    return outcome
+
+
+def _post(body: dict[str, Any], outcome: Outcome) -> None:
+    for kind, reason, message in outcome.events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
+             gateway: Callable[[], Gateway]) -> None:
+    """Register every handler on registry; gateway() builds the API gateway lazily."""
+
+    @kopf.index("pods", id="kvtier_pods", registry=registry)
+    def kvtier_pods(body: kopf.Body, namespace: str, **_: Any) -> dict[str, PodView]:
+        return {namespace: pod_view(dict(body))}
+
+    @kopf.index("pods", labels={names.LABEL_COMPONENT: "evictor"}, id="kvtier_evictor_runs",
+                registry=registry)
+    def kvtier_evictor_runs(body: kopf.Body, **_: Any) -> dict[tuple[str, str], EvictorRun] | None:
+        run = evictor_run(dict(body))
+        return {(run.namespace, run.cache): run} if run else None
+
+    @kopf.index(*TPC, id="kvtier_caches", registry=registry)
+    def kvtier_caches(body: kopf.Body, namespace: str, name: str,
+                      **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(namespace, name): copy.deepcopy(dict(body))}
+
+    state: dict[str, asyncio.Task[None] | None] = {"drift": None}
+
+    async def handle(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str,
+                     kvtier_pods: kopf.Index, kvtier_evictor_runs: kopf.Index,
+                     kvtier_caches: kopf.Index, **_: Any) -> None:
+        if state["drift"] is None:  # indexes reach resource handlers, not startup ones
+            state["drift"] = asyncio.create_task(
+                drift_loop(kvtier_caches, kvtier_pods, kvtier_evictor_runs))
+        try:
+            outcome = await asyncio.to_thread(
+                run_reconcile, dict(body), gateway(), config, _flatten(kvtier_pods, namespace),
+                _flatten(kvtier_evictor_runs, (namespace, name)))
+        except RetryableError as err:
+            kopf.warn(body, reason="Retrying", message=str(err))
+            raise kopf.TemporaryError(str(err), delay=config.retry_delay) from err
+        patch.status.update(outcome.status)
+        _post(dict(body), outcome)
+
+    for cause in ("create", "update", "resume"):
+        getattr(kopf.on, cause)(*TPC, id=f"reconcile-on-{cause}", registry=registry)(handle)
+
+    async def drift_loop(kvtier_caches: kopf.Index, kvtier_pods: kopf.Index,
+                         kvtier_evictor_runs: kopf.Index) -> None:
+        while True:
+            await asyncio.sleep(config.drift_interval)
+            bodies = _flatten(kvtier_caches)
+            metrics.MANAGED_CACHES.set(len(bodies))
+            for cached in bodies:
+                meta = cached.get("metadata") or {}
+                ns, name = meta.get("namespace", ""), meta.get("name", "")
+                try:
+                    # The index may lag a deletion; act only on what the server has now.
+                    body = await asyncio.to_thread(gateway().get_cache, ns, name)
+                    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                        continue
+                    outcome = await asyncio.to_thread(
+                        run_reconcile, body, gateway(), config, _flatten(kvtier_pods, ns),
+                        _flatten(kvtier_evictor_runs, (ns, name)))
+                    await asyncio.to_thread(gateway().patch_status, ns, name, outcome.status)
+                    _post(body, outcome)
+                except (RetryableError, ApiRejected) as err:
+                    log.warning("drift repair of %s/%s: %s", ns, name, err)
+                except Exception:  # one bad resource never stops the loop or the others
+                    metrics.ERRORS.labels("unexpected").inc()
+                    log.exception("drift repair of %s/%s failed", ns, name)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)
+
+    @kopf.on.cleanup(registry=registry)
+    async def shutdown(**_: Any) -> None:
+        task = state["drift"]
+        if task is not None:
+            task.cancel()
+
+    @kopf.on.probe(id="managedCaches", registry=registry)
+    def probe_caches(kvtier_caches: kopf.Index, **_: Any) -> int:
+        return len(kvtier_caches)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kvtier.dev/ prefixes for everything kopf stores on objects."""
+    settings.persistence.finalizer = names.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300

@@ -1,0 +1,88 @@
+"""What the operator observes: small, immutable views of pods and evictor runs, as kopf
+indexes keep them. Built from watch events; never written back to the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier_evictor.report import EvictionReport
+from kvtier_operator.render import names
+
+
+@dataclass(frozen=True)
+class PodView:
+    namespace: str
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    cache: str | None  # the kvtier.dev/cache annotation
+    config_hash: str | None
+    active: bool  # not finished, not being deleted
+    owner_kind: str | None
+    owner_name: str | None
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)
+
+    @property
+    def opted_out(self) -> bool:
+        return self.label_dict.get(names.LABEL_OPT_OUT) == "false"
+
+
+def pod_view(body: dict[str, Any]) -> PodView:
+    meta = body.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    phase = (body.get("status") or {}).get("phase")
+    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), {})
+    return PodView(
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        labels=tuple(sorted((meta.get("labels") or {}).items())),
+        cache=annotations.get(names.ANNOTATION_CACHE),
+        config_hash=annotations.get(names.ANNOTATION_CONFIG_HASH),
+        active=phase not in ("Succeeded", "Failed") and not meta.get("deletionTimestamp"),
+        owner_kind=owner.get("kind"),
+        owner_name=owner.get("name"),
+    )
+
+
+@dataclass(frozen=True)
+class EvictorRun:
+    """One finished evictor pod: its report, or why there is none."""
+
+    namespace: str
+    cache: str
+    pod: str
+    job: str | None
+    finished_at: str
+    exit_code: int | None
+    report: EvictionReport | None
+    problem: str | None  # why the report could not be read
+
+
+def evictor_run(body: dict[str, Any]) -> EvictorRun | None:
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    cache = labels.get(names.LABEL_CACHE)
+    if cache is None:
+        return None
+    statuses = (body.get("status") or {}).get("containerStatuses") or []
+    terminated = next(((s.get("state") or {}).get("terminated") for s in statuses
+                       if s.get("name") == "evictor" and (s.get("state") or {}).get("terminated")),
+                      None)
+    if terminated is None:
+        return None  # still running or never started: nothing to report yet
+    report, problem = None, None
+    message = terminated.get("message") or ""
+    try:
+        report = EvictionReport.from_json(message)
+    except ValueError as err:
+        problem = (f"the evictor's termination message is not its JSON report ({err}); "
+                   "check the pod's logs")
+    return EvictorRun(
+        namespace=meta.get("namespace", ""), cache=cache, pod=meta.get("name", ""),
+        job=labels.get("job-name") or labels.get("batch.kubernetes.io/job-name"),
+        finished_at=terminated.get("finishedAt") or "", exit_code=terminated.get("exitCode"),
+        report=report, problem=problem,
+    )

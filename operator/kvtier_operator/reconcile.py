@@ -1,0 +1,211 @@
+"""One reconcile of a TieredPrefixCache: render, apply through the gateway, observe, and
+compute the status. Idempotent: running it twice changes nothing the second time.
+
+Kopf handlers and the drift loop both call `reconcile()`; they only differ in how they
+write the status and post the events it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_operator.gateway import ApiRejected, Gateway
+from kvtier_operator.loading import InvalidResource, parse_tpc
+from kvtier_operator.models import DeletePolicy, TieredPrefixCache
+from kvtier_operator.observe import EvictorRun, PodView
+from kvtier_operator.quantity import quantity_bytes
+from kvtier_operator.render import names
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.pod import config_hash
+from kvtier_operator.render.pvc import render_pvc
+from kvtier_operator.render.router import render_router_configmap
+from kvtier_operator.status import (
+    CONDITION_TYPES,
+    EVICTOR_HEALTHY,
+    INJECTED,
+    READY,
+    STORAGE_READY,
+    Cond,
+    StorageObservation,
+    conditions,
+    count_pods,
+    eviction_status,
+    evictor_condition,
+    injected_condition,
+    latest_run,
+    ready_condition,
+)
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    pending_pods: list[str] = field(default_factory=list)
+    ok: bool = True  # False when something the spec asks for could not be done
+
+
+def _event(events: list[tuple[str, str, str]], action: str, obj: dict[str, Any]) -> None:
+    if action != "unchanged":
+        events.append(("Normal", action.capitalize(), f"{action} {obj['kind']} "
+                                                      f"{obj['metadata']['name']}"))
+
+
+def _rejected(events: list[tuple[str, str, str]], err: ApiRejected) -> str:
+    events.append(("Warning", "ApplyFailed", str(err)))
+    return f"the API server refused {err.what}: {err.message}"
+
+
+def _claim_owner_refs(tpc: TieredPrefixCache, live: dict[str, Any]) -> list[dict] | None:
+    """The claim's ownerReferences as the delete policy wants them, or None if right."""
+    refs = (live.get("metadata") or {}).get("ownerReferences") or []
+    uid = tpc.metadata.uid
+    ours = [r for r in refs if r.get("uid") == uid]
+    others = [r for r in refs if r.get("uid") != uid]
+    assert tpc.spec.storage is not None and tpc.spec.storage.pvc is not None
+    want_owned = tpc.spec.storage.pvc.delete_policy == DeletePolicy.Delete and bool(uid)
+    if want_owned and not ours:
+        return [*others, names.owner_reference(tpc)]
+    if not want_owned and ours:
+        return others
+    return None
+
+
+def reconcile_storage(tpc: TieredPrefixCache, gw: Gateway,
+                      events: list[tuple[str, str, str]]) -> StorageObservation:
+    storage = tpc.spec.storage
+    if storage is None:
+        return StorageObservation()
+    claim = names.claim_name(tpc)
+    assert claim is not None
+    obs = StorageObservation(claim=claim)
+    notes: list[str] = []
+    desired = render_pvc(tpc)
+    live = gw.get("PersistentVolumeClaim", tpc.namespace, claim)
+    if desired is not None and live is None:
+        try:
+            live = gw.create(desired)
+            _event(events, "created", desired)
+        except ApiRejected as err:
+            obs.condition = Cond("False", "ClaimRejected", _rejected(events, err))
+            return obs
+    elif desired is not None and live is not None:
+        want = quantity_bytes(desired["spec"]["resources"]["requests"]["storage"])
+        have_text = ((live.get("spec") or {}).get("resources") or {}).get(
+            "requests", {}).get("storage", "0")
+        have = quantity_bytes(have_text)
+        if want > have:
+            try:
+                live = gw.patch("PersistentVolumeClaim", tpc.namespace, claim, {
+                    "spec": {"resources": {"requests": {"storage": desired["spec"]["resources"][
+                        "requests"]["storage"]}}}})
+                events.append(("Normal", "Resized", f"asked to grow claim {claim} from "
+                                                    f"{have_text} to {storage.pvc.size}"))
+            except ApiRejected as err:
+                notes.append(f"cannot grow the claim to {storage.pvc.size}: {err.message} "
+                             "(does its StorageClass allow volume expansion?)")
+                events.append(("Warning", "ResizeRefused", str(err)))
+        elif want < have:
+            notes.append(f"spec.storage.pvc.size {storage.pvc.size} is below the claim's "
+                         f"{have_text}; kvtier never shrinks a claim")
+        refs = _claim_owner_refs(tpc, live)
+        if refs is not None:
+            try:
+                live = gw.patch("PersistentVolumeClaim", tpc.namespace, claim,
+                                {"metadata": {"ownerReferences": refs}})
+            except ApiRejected as err:
+                notes.append(_rejected(events, err))
+    elif live is None:  # existingClaim that does not exist
+        obs.condition = Cond("False", "ClaimNotFound",
+                             f"spec.storage.existingClaim {claim} does not exist in namespace "
+                             f"{tpc.namespace}; create it or fix the name")
+        return obs
+    live_status = live.get("status") or {}
+    obs.phase = live_status.get("phase") or "Pending"
+    obs.capacity = (live_status.get("capacity") or {}).get("storage")
+    if obs.phase == "Bound":
+        obs.condition = Cond("True", "Bound" if not notes else "BoundWithWarnings",
+                             "; ".join(notes) or f"claim {claim} is bound ({obs.capacity})")
+    elif obs.phase == "Lost":
+        obs.condition = Cond("False", "ClaimLost", "; ".join(
+            [f"claim {claim} lost its volume", *notes]))
+    else:
+        why = ""
+        recent = gw.events_for(tpc.namespace, "PersistentVolumeClaim", claim)
+        if recent:
+            last = recent[-1]
+            why = f": {last.get('reason', '')}: {last.get('message', '')}"
+        obs.condition = Cond("False", "ClaimPending", "; ".join(
+            [f"claim {claim} is {obs.phase}{why}", *notes]))
+    return obs
+
+
+def _apply_owned(tpc: TieredPrefixCache, gw: Gateway, desired: dict[str, Any] | None,
+                 kind: str, name: str, events: list[tuple[str, str, str]]) -> str | None:
+    """Create/patch the object, or delete it when the spec no longer wants it; returns
+    the server's refusal message, if any."""
+    try:
+        if desired is None:
+            if gw.delete(kind, tpc.namespace, name):
+                events.append(("Normal", "Deleted", f"deleted {kind} {name}"))
+            return None
+        action, _ = gw.ensure(desired)
+        _event(events, action, desired)
+    except ApiRejected as err:
+        return _rejected(events, err)
+    return None
+
+
+def invalid_status(body: dict[str, Any], err: InvalidResource, now: str) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    message = "; ".join(err.messages)
+    cond = Cond("False", "InvalidSpec", message)
+    new = {t: cond for t in CONDITION_TYPES}
+    return {"observedGeneration": meta.get("generation"),
+            "conditions": conditions(new, (body.get("status") or {}).get("conditions"),
+                                     meta.get("generation"), now)}
+
+
+def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[PodView],
+              runs: list[EvictorRun], now: str, conflicts: list[str] | None = None) -> Outcome:
+    try:
+        tpc = parse_tpc(body)
+    except InvalidResource as err:
+        return Outcome(status=invalid_status(body, err, now),
+                       events=[("Warning", "InvalidSpec", str(err))], ok=False)
+    events: list[tuple[str, str, str]] = []
+    storage = reconcile_storage(tpc, gw, events)
+    cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
+                              names.cronjob_name(tpc), events)
+    router_error = _apply_owned(tpc, gw, render_router_configmap(tpc), "ConfigMap",
+                                names.router_configmap_name(tpc), events)
+    digest = config_hash(tpc, ctx)
+    counts = count_pods(tpc, pods, digest)
+    injected = injected_condition(counts, conflicts or [])
+    if router_error:
+        injected = Cond("False", "RouterConfigRejected", router_error)
+    run = latest_run(runs, tpc)
+    evictor = evictor_condition(tpc, run)
+    if cron_error:
+        evictor = Cond("False", "CronJobRejected", cron_error)
+    ready = ready_condition(storage.condition, injected, evictor)
+    last_eviction, usage = eviction_status(run)
+    generation = tpc.metadata.generation
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": conditions({READY: ready, STORAGE_READY: storage.condition,
+                                  INJECTED: injected, EVICTOR_HEALTHY: evictor},
+                                 (body.get("status") or {}).get("conditions"), generation, now),
+        "configHash": digest,
+        "injectedPods": counts.injected,
+        "pendingPods": len(counts.pending),
+        "pvc": {"name": storage.claim, "phase": storage.phase, "capacity": storage.capacity}
+        if storage.claim else None,
+        "usage": usage,
+        "lastEviction": last_eviction,
+    }
+    ok = not (cron_error or router_error) and storage.condition.reason not in (
+        "ClaimRejected", "ClaimNotFound")
+    return Outcome(status=status, events=events, pending_pods=counts.pending, ok=ok)

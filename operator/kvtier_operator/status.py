@@ -1,0 +1,142 @@
+"""Pure status computation: observations in, the TieredPrefixCache status out.
+
+Every condition carries observedGeneration; lastTransitionTime changes only when a
+condition's status does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_DO
+from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.observe import EvictorRun, PodView
+
+READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
+    "EvictorHealthy"
+CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY)
+
+
+@dataclass
+class Cond:
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str = ""
+
+
+@dataclass
+class StorageObservation:
+    """What reconciling the claim found out."""
+
+    claim: str | None = None
+    phase: str | None = None
+    capacity: str | None = None
+    condition: Cond = field(default_factory=lambda: Cond("True", "NoStorageTier",
+                                                         "no shared-filesystem tier"))
+
+
+@dataclass
+class PodCounts:
+    injected: int
+    pending: list[str]
+
+
+def count_pods(tpc: TieredPrefixCache, pods: list[PodView], config_hash: str) -> PodCounts:
+    injected, pending = 0, []
+    for pod in pods:
+        if pod.namespace != tpc.namespace or not pod.active or pod.opted_out:
+            continue
+        if not tpc.spec.selector.matches(pod.label_dict):
+            continue
+        if pod.cache == tpc.name and pod.config_hash == config_hash:
+            injected += 1
+        else:
+            pending.append(pod.name)
+    return PodCounts(injected, sorted(pending))
+
+
+def injected_condition(counts: PodCounts, conflicts: list[str]) -> Cond:
+    if conflicts:
+        return Cond("False", "Conflict", "; ".join(conflicts))
+    if counts.pending:
+        shown = ", ".join(counts.pending[:5]) + (" ..." if len(counts.pending) > 5 else "")
+        return Cond("False", "PodsPending",
+                    f"{len(counts.pending)} selected pod(s) run without the current config "
+                    f"({shown}); they get it when restarted (rollout: Auto restarts them)")
+    if counts.injected == 0:
+        return Cond("True", "NoPodsSelected", "no running pod matches spec.selector yet")
+    return Cond("True", "AllInjected", f"{counts.injected} pod(s) carry the current config")
+
+
+def latest_run(runs: list[EvictorRun], tpc: TieredPrefixCache) -> EvictorRun | None:
+    mine = [r for r in runs if r.namespace == tpc.namespace and r.cache == tpc.name]
+    return max(mine, key=lambda r: r.finished_at, default=None)
+
+
+def evictor_condition(tpc: TieredPrefixCache, run: EvictorRun | None) -> Cond:
+    if tpc.spec.storage is None:
+        return Cond("True", "NoStorageTier", "no shared tier to evict from")
+    if tpc.spec.eviction.suspend:
+        return Cond("Unknown", "Suspended", "spec.eviction.suspend is true; nothing evicts")
+    if run is None:
+        return Cond("Unknown", "NoRunYet", f"the evictor runs on '{tpc.spec.eviction.schedule}'")
+    if run.report is None:
+        return Cond("False", "ReportUnreadable", f"pod {run.pod}: {run.problem}")
+    outcome = run.report.outcome
+    if outcome in (NOTHING_TO_DO, FREED):
+        return Cond("True", "Healthy", f"last run ({run.pod}): {outcome}")
+    if outcome == ABOVE_LOW_WATERMARK:
+        return Cond("False", "AboveLowWatermark",
+                    f"last run ({run.pod}) could not get below the low watermark "
+                    f"({run.report.usage_after.percent:.1f}% used): everything left was used "
+                    "within minIdle; grow the claim or lower minIdle")
+    errors = "; ".join(run.report.error_messages[:3]) or "see the pod's logs"
+    return Cond("False", "EvictorError" if outcome == ERROR else "Unknown", errors)
+
+
+def eviction_status(run: EvictorRun | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(lastEviction, usage) status blocks from the latest run."""
+    if run is None or run.report is None:
+        return None, None
+    r = run.report
+    last = {
+        "time": run.finished_at or r.finished_at, "outcome": r.outcome,
+        "filesDeleted": r.files_deleted, "bytesFreed": r.bytes_freed,
+        "tempFilesReaped": r.temp_files_reaped,
+        "usageBefore": round(r.usage_before.percent, 2),
+        "usageAfter": round(r.usage_after.percent, 2),
+        "durationSeconds": r.duration_seconds, "errors": r.errors, "job": run.job,
+    }
+    usage = {
+        "percent": round(r.usage_after.percent, 2),
+        "inodePercent": round(r.usage_after.inode_percent, 2),
+        "usedBytes": r.usage_after.used_bytes, "capacityBytes": r.usage_after.capacity_bytes,
+        "observedAt": run.finished_at or r.finished_at,
+    }
+    return last, usage
+
+
+def ready_condition(storage: Cond, injected: Cond, evictor: Cond) -> Cond:
+    blocking = [(name, c) for name, c in ((STORAGE_READY, storage), (INJECTED, injected),
+                                         (EVICTOR_HEALTHY, evictor)) if c.status == "False"]
+    if blocking:
+        return Cond("False", blocking[0][1].reason,
+                    "; ".join(f"{name}: {c.message}" for name, c in blocking))
+    return Cond("True", "Ready", "storage, pods and evictor are as specified")
+
+
+def conditions(new: dict[str, Cond], previous: list[dict[str, Any]] | None,
+               generation: int | None, now: str) -> list[dict[str, Any]]:
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for kind in CONDITION_TYPES:
+        c = new[kind]
+        old = before.get(kind)
+        since = old.get("lastTransitionTime") if old and old.get("status") == c.status else now
+        entry: dict[str, Any] = {"type": kind, "status": c.status, "reason": c.reason,
+                                 "message": c.message, "lastTransitionTime": since}
+        if generation is not None:
+            entry["observedGeneration"] = generation
+        out.append(entry)
+    return out

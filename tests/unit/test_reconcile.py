@@ -1,0 +1,243 @@
+"""reconcile(), status and the gateway as plain functions: the rules kmock cannot
+enforce (owner references for garbage collection, delete-policy flips, resize refusal,
+transition times, retry classification)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.observe import pod_view
+from kvtier_operator.reconcile import reconcile
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.status import Cond, conditions
+from tests.helpers import tpc_doc
+
+CTX = RenderContext()
+NOW = "2026-11-22T08:00:00Z"
+
+
+class FakeGateway:
+    """An in-memory API with the same surface as Gateway."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[str, str, str], dict] = {}
+        self.refuse: dict[tuple[str, str], ApiRejected] = {}  # (verb, kind) -> error
+        self.calls: list[tuple[str, str, str]] = []
+
+    def _check(self, verb: str, kind: str) -> None:
+        if (verb, kind) in self.refuse:
+            raise self.refuse[verb, kind]
+
+    def get(self, kind, ns, name):
+        self.calls.append(("get", kind, name))
+        found = self.store.get((kind, ns, name))
+        return copy.deepcopy(found) if found else None
+
+    def create(self, obj):
+        self._check("create", obj["kind"])
+        self.calls.append(("create", obj["kind"], obj["metadata"]["name"]))
+        self.store[obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]] = \
+            copy.deepcopy(obj)
+        return copy.deepcopy(obj)
+
+    def patch(self, kind, ns, name, body):
+        self._check("patch", kind)
+        self.calls.append(("patch", kind, name))
+        merged = _merge(self.store[kind, ns, name], body)
+        self.store[kind, ns, name] = merged
+        return copy.deepcopy(merged)
+
+    def delete(self, kind, ns, name):
+        self.calls.append(("delete", kind, name))
+        return self.store.pop((kind, ns, name), None) is not None
+
+    def ensure(self, obj):
+        return Gateway.ensure(self, obj)  # the real logic over this fake's CRUD
+
+    def events_for(self, ns, kind, name):
+        return []
+
+    def collect_garbage(self, uid: str) -> list[str]:
+        """What Kubernetes' garbage collector does once the owner is gone."""
+        owned = [k for k, o in self.store.items()
+                 if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences", []))]
+        for k in owned:
+            del self.store[k]
+        return sorted(k[0] for k in owned)
+
+
+def _merge(base, patch):
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def body(spec=None):
+    doc = tpc_doc(spec)
+    doc["metadata"].update(uid="u-1", generation=3)
+    return doc
+
+
+def run(gw, doc, pods=(), runs=()):
+    return reconcile(doc, gw, CTX, list(pods), list(runs), NOW)
+
+
+def test_garbage_collection_removes_exactly_the_owned_objects():
+    gw = FakeGateway()
+    run(gw, body({"router": {"enabled": True}}))
+    assert gw.collect_garbage("u-1") == ["ConfigMap", "CronJob"]
+    assert ("PersistentVolumeClaim", "ml", "cache-kv-cache") in gw.store  # retained
+
+
+def test_delete_policy_flip_adds_and_removes_the_claim_owner_reference():
+    gw = FakeGateway()
+    run(gw, body())
+    key = ("PersistentVolumeClaim", "ml", "cache-kv-cache")
+    foreign = {"apiVersion": "v1", "kind": "Thing", "name": "t", "uid": "other"}
+    gw.store[key]["metadata"]["ownerReferences"] = [foreign]
+    run(gw, body({"storage": {"pvc": {"deletePolicy": "Delete"}}}))
+    refs = gw.store[key]["metadata"]["ownerReferences"]
+    assert [r["uid"] for r in refs] == ["other", "u-1"]
+    run(gw, body({"storage": {"pvc": {"deletePolicy": "Retain"}}}))
+    assert gw.store[key]["metadata"]["ownerReferences"] == [foreign]
+
+
+def test_reconcile_twice_writes_nothing_the_second_time():
+    gw = FakeGateway()
+    run(gw, body({"router": {"enabled": True}}))
+    gw.calls.clear()
+    outcome = run(gw, body({"router": {"enabled": True}}))
+    assert [c for c in gw.calls if c[0] != "get"] == []
+    assert outcome.events == []
+
+
+def test_resize_refused_is_reported_not_raised():
+    gw = FakeGateway()
+    run(gw, body())
+    key = ("PersistentVolumeClaim", "ml", "cache-kv-cache")
+    gw.store[key]["status"] = {"phase": "Bound", "capacity": {"storage": "1Ti"}}
+    gw.refuse["patch", "PersistentVolumeClaim"] = ApiRejected(
+        403, "Forbidden", "only dynamically provisioned pvc can be resized", "PVC ml/x")
+    outcome = run(gw, body({"storage": {"pvc": {"size": "2Ti"}}}))
+    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    assert cond["status"] == "True" and cond["reason"] == "BoundWithWarnings"
+    assert "only dynamically provisioned pvc can be resized" in cond["message"]
+    assert any(e[1] == "ResizeRefused" for e in outcome.events)
+
+
+def test_claim_rejected_on_create():
+    gw = FakeGateway()
+    gw.refuse["create", "PersistentVolumeClaim"] = ApiRejected(
+        422, "Invalid", 'spec.storageClassName: Invalid value: "Lustre"', "PVC ml/cache-kv-cache")
+    outcome = run(gw, body())
+    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    assert cond["reason"] == "ClaimRejected" and "Lustre" in cond["message"]
+    assert not outcome.ok
+    ready = outcome.status["conditions"][0]
+    assert ready["status"] == "False" and "StorageReady" in ready["message"]
+
+
+def test_storage_removed_deletes_the_cronjob():
+    gw = FakeGateway()
+    run(gw, body())
+    assert ("CronJob", "ml", "cache-evictor") in gw.store
+    run(gw, body({"storage": None}))
+    assert ("CronJob", "ml", "cache-evictor") not in gw.store
+
+
+def test_conditions_keep_transition_time_while_status_holds():
+    first = conditions({t: Cond("False", "X") for t in ("Ready", "StorageReady", "Injected",
+                                                          "EvictorHealthy")}, None, 1, "t1")
+    second = conditions({"Ready": Cond("False", "Y"), "StorageReady": Cond("True", "Bound"),
+                         "Injected": Cond("False", "X"), "EvictorHealthy": Cond("False", "X")},
+                        first, 2, "t2")
+    by = {c["type"]: c for c in second}
+    assert by["Ready"]["lastTransitionTime"] == "t1"  # reason changed, status did not
+    assert by["StorageReady"]["lastTransitionTime"] == "t2"
+    assert all(c["observedGeneration"] == 2 for c in second)
+
+
+def test_pod_view_reads_what_counting_needs():
+    view = pod_view({"metadata": {"name": "p", "namespace": "ml", "labels": {"a": "b"},
+                                  "annotations": {"kvtier.dev/config-hash": "h"},
+                                  "ownerReferences": [{"kind": "ReplicaSet", "name": "rs",
+                                                       "controller": True}],
+                                  "deletionTimestamp": "now"},
+                     "status": {"phase": "Running"}})
+    assert view.config_hash == "h" and view.owner_kind == "ReplicaSet" and not view.active
+
+
+# ----------------------------------------------------------- the gateway
+
+class FlakyApi:
+    def __init__(self, statuses):
+        self.statuses = list(statuses)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        status = self.statuses.pop(0)
+        if status == 200:
+            class Response:
+                data = b'{"ok": true}'
+            return Response()
+        raise ApiException(status=status, reason="X")
+
+
+def make_gateway():
+    from kubernetes import client
+
+    return Gateway(client.ApiClient(client.Configuration(host="http://127.0.0.1:1")),
+                   retries=3, backoff=0, sleep=lambda s: None)
+
+
+@pytest.mark.parametrize("status", [409, 429, 500, 503])
+def test_gateway_retries_conflicts_and_server_errors(status):
+    api = FlakyApi([status, status, 200])
+    assert make_gateway()._call("x", api) == {"ok": True}
+    assert api.calls == 3
+
+
+def test_gateway_gives_up_as_retryable():
+    with pytest.raises(RetryableError):
+        make_gateway()._call("x", FlakyApi([500] * 4))
+
+
+def test_gateway_does_not_retry_a_client_error():
+    api = FlakyApi([422, 200])
+    with pytest.raises(ApiRejected) as err:
+        make_gateway()._call("x", api)
+    assert err.value.status == 422 and api.calls == 1
+
+
+def test_gateway_create_conflict_is_not_retried():
+    api = FlakyApi([409, 200])
+    with pytest.raises(ApiRejected):
+        make_gateway()._call("x", api, creating=True)
+    assert api.calls == 1
+
+
+def test_contains_compares_what_we_own():
+    live = {"a": 1, "b": {"c": [1, {"d": 2, "server": 3}]}, "status": {}}
+    assert contains(live, {"b": {"c": [1, {"d": 2}]}})
+    assert not contains(live, {"b": {"c": [1]}})
+    assert not contains(live, {"a": 2})
+
+
+def test_operator_config_from_env():
+    from kvtier_operator.app import config_from_env
+
+    cfg = config_from_env({"KVTIER_SIDECAR_IMAGE": "r/s:1", "KVTIER_OPERATOR_IMAGE": "r/o:1",
+                           "KVTIER_DRIFT_INTERVAL_SECONDS": "30"})
+    assert (cfg.render.sidecar_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
+    assert cfg.drift_interval == 30.0
+    assert parse_tpc(tpc_doc())  # sanity: the fixtures parse
