@@ -265,6 +265,7 @@ async def test_delete_leaves_cleanup_to_owner_references(kmock):
         await until(lambda: configmap(kmock) and cronjob(kmock) and pvc(kmock), what="objects")
         await kmock.delete(f"/apis/kvtier.dev/v1alpha1/namespaces/{NS}/tieredprefixcaches/cache")
         await until(lambda: tpc_obj(kmock) is None, what="gone at once: no finalizer holds it")
+        await asyncio.sleep(1.0)  # a reconcile in flight at deletion may still apply objects
         owned = collect_garbage(kmock, "uid-1")
         for resource_name, name in owned:
             await kmock.delete(f"/api{'s/batch' if 'batch' in resource_name else ''}/v1/"

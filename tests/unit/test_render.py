@@ -359,12 +359,12 @@ def test_cronjob_fields():
     (c,) = pod["containers"]
     assert c["image"] == "reg/kvtier:1"
     assert c["command"] == ["kvtier-evictor"]
-    args = c["args"]
-    flag = dict(zip(args[::2], args[1::2], strict=True))
-    assert flag["--high-watermark"] == "90" and flag["--low-watermark"] == "60"
-    assert flag["--min-idle-seconds"] == "3600"
-    assert flag["--layout"] == "kvtier"
-    assert "--capacity-bytes" not in flag
+    from kvtier_evictor.cli import build_parser
+
+    parsed = build_parser().parse_args(c["args"])
+    assert (parsed.high_watermark, parsed.low_watermark) == (90, 60)
+    assert parsed.min_idle_seconds == 3600 and parsed.layout == "kvtier"
+    assert parsed.capacity_bytes is None and parsed.ok_exit_zero
     assert c["resources"]["limits"]["memory"] == "512Mi"
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "cache-kv-cache"
 
