@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-BENCHES = ["store", "evictor"]
+BENCHES = ["store", "evictor", "operator"]
 
 
 def machine() -> str:

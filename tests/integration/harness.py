@@ -75,7 +75,7 @@ async def operator(kmock: Any, drift_interval: float = 3600.0,
         yield
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15)
+        await asyncio.wait_for(task, 60)
 
 
 def obj(kmock: Any, resource: str, ns: str, name: str) -> dict[str, Any] | None:
