@@ -16,6 +16,7 @@ from kvtier_operator.render.context import (
     DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
+from kvtier_operator.webhook import register_server
 
 
 def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
@@ -38,7 +39,8 @@ def api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
-def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool) -> None:
+def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool,
+        webhook_port: int, webhook_cert_dir: str) -> None:
     kopf.configure(verbose=False, log_format=kopf.LogFormat.JSON if json_logs
                    else kopf.LogFormat.FULL)
     logging.getLogger("kvtier_operator").setLevel(logging.INFO)
@@ -50,7 +52,11 @@ def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool
             shared["gw"] = Gateway(api_client())
         return shared["gw"]
 
-    register(registry, config_from_env(), gateway)
+    operator_config = config_from_env()
+    register(registry, operator_config, gateway)
+    if webhook_port:
+        register_server(registry, operator_config.caches, operator_config.conflicts,
+                        operator_config.render, "0.0.0.0", webhook_port, webhook_cert_dir)
     if metrics_port:
         start_http_server(metrics_port)
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,

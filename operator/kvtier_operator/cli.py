@@ -80,7 +80,8 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_operator(args: argparse.Namespace) -> int:
     from kvtier_operator.app import run
 
-    run(args.metrics_port, args.liveness, args.namespace or [], args.log_format == "json")
+    run(args.metrics_port, args.liveness, args.namespace or [], args.log_format == "json",
+        args.webhook_port, args.webhook_cert_dir)
     return 0
 
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--liveness", default="http://0.0.0.0:8081/healthz")
     op.add_argument("--namespace", action="append", help="watch only these (repeatable)")
     op.add_argument("--log-format", choices=["json", "text"], default="json")
+    op.add_argument("--webhook-port", type=int, default=9443, help="0 disables the webhooks")
+    op.add_argument("--webhook-cert-dir", default="/etc/kvtier/webhook",
+                    help="holds tls.crt and tls.key (a mounted Secret; reloaded on rotation)")
     op.set_defaults(func=cmd_operator)
     return parser
 

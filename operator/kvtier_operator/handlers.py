@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.reconcile import Outcome, reconcile
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
+from kvtier_operator.webhook import CacheRegistry, ConflictLog
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)
@@ -36,6 +37,8 @@ class OperatorConfig:
     render: RenderContext
     drift_interval: float = 60.0
     retry_delay: float = 10.0
+    caches: CacheRegistry = field(default_factory=CacheRegistry)  # shared with the webhook
+    conflicts: ConflictLog = field(default_factory=ConflictLog)
 
 
 def now_iso() -> str:
@@ -52,9 +55,12 @@ def _flatten(index: Any, key: Any = None) -> list[Any]:
 def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
                   pods: Iterable[PodView], runs: Iterable[EvictorRun]) -> Outcome:
     meta = body.get("metadata") or {}
+    pods = list(pods)
+    conflicts = config.conflicts.for_cache(meta.get("namespace", ""), meta.get("name", ""),
+                                           [p.name for p in pods if p.active])
     start = time.perf_counter()
     try:
-        outcome = reconcile(body, gw, config.render, list(pods), list(runs), now_iso())
+        outcome = reconcile(body, gw, config.render, pods, list(runs), now_iso(), conflicts)
     except RetryableError:
         metrics.RECONCILES.labels("retry").inc()
         metrics.ERRORS.labels("retryable").inc()
@@ -92,6 +98,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     def kvtier_evictor_runs(body: kopf.Body, **_: Any) -> dict[tuple[str, str], EvictorRun] | None:
         run = evictor_run(dict(body))
         return {(run.namespace, run.cache): run} if run else None
+
+    @kopf.on.event(*TPC, id="kvtier_cache_registry", registry=registry)
+    def observe_cache(type: str | None, body: kopf.Body, **_: Any) -> None:
+        config.caches.observe(type or "ADDED", copy.deepcopy(dict(body)))
 
     @kopf.index(*TPC, id="kvtier_caches", registry=registry)
     def kvtier_caches(body: kopf.Body, namespace: str, name: str,

@@ -1,0 +1,264 @@
+"""Real AdmissionReview requests over HTTPS against the real webhook server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import socket
+import ssl
+
+import aiohttp
+import jsonpatch
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvtier_operator.render import names
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.webhook import (
+    MUTATE_PATH,
+    VALIDATE_PATH,
+    CacheRegistry,
+    ConflictLog,
+    make_app,
+    serve,
+    tls_context,
+    watch_certificates,
+)
+from tests.helpers import EXAMPLES, tpc_doc
+from tests.webhook.certs import make_certs
+
+CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
+K8S = kubernetes_validate.latest_version()
+VARIANTS = sorted(p.name for p in EXAMPLES.glob("*.yaml")
+                  if yaml.safe_load(p.read_text())["kind"] == "TieredPrefixCache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Webhook:
+    def __init__(self, caches, conflicts, url, ca, certdir):
+        self.caches, self.conflicts, self.url, self.ca, self.certdir = \
+            caches, conflicts, url, ca, certdir
+        self.client_ssl = ssl.create_default_context(cafile=str(ca))
+
+    async def post(self, path, payload=None, data=None):
+        async with aiohttp.ClientSession() as session:
+            body = data if data is not None else json.dumps(payload).encode()
+            async with session.post(self.url + path, data=body, ssl=self.client_ssl,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                text = await resp.text()
+                return resp.status, (json.loads(text) if text.startswith("{") else text)
+
+
+@pytest.fixture
+async def webhook(tmp_path):
+    ca = make_certs(tmp_path / "certs")
+    caches, conflicts = CacheRegistry(), ConflictLog()
+    port = free_port()
+    tls = tls_context(str(tmp_path / "certs" / "tls.crt"), str(tmp_path / "certs" / "tls.key"))
+    runner = await serve(make_app(caches, conflicts, CTX), "127.0.0.1", port, tls)
+    yield Webhook(caches, conflicts, f"https://127.0.0.1:{port}", ca, tmp_path / "certs")
+    await runner.cleanup()
+
+
+def review(obj, operation="CREATE", uid="u-1"):
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": uid, "operation": operation, "namespace": "llm-d",
+                        "object": obj}}
+
+
+def apply(pod, response):
+    r = response["response"]
+    if "patch" not in r:
+        return pod
+    assert r["patchType"] == "JSONPatch"
+    return jsonpatch.apply_patch(pod, json.loads(base64.b64decode(r["patch"])))
+
+
+def sample_pod():
+    dep = yaml.safe_load((EXAMPLES / "vllm-deployment.yaml").read_text())
+    tmpl = copy.deepcopy(dep["spec"]["template"])
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {**tmpl["metadata"], "name": "decode-0", "namespace": "llm-d"},
+            "spec": tmpl["spec"]}
+
+
+def minimal_pod():
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "decode-1", "namespace": "llm-d",
+                         "labels": {"llm-d.ai/role": "decode"}},
+            "spec": {"containers": [{"name": "modelserver", "image": "vllm/vllm-openai",
+                                     "command": ["vllm", "serve", "m"]}]}}
+
+
+def busy_pod():
+    pod = minimal_pod()
+    c = pod["spec"]["containers"][0]
+    c["command"] = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    c["args"] = ["--model", "m"]
+    c["env"] = [{"name": "A", "value": "1"}]
+    c["volumeMounts"] = [{"name": "models", "mountPath": "/models"}]
+    c["resources"] = {"requests": {"memory": "64Gi", "cpu": "4"}}
+    pod["spec"]["volumes"] = [{"name": "models", "emptyDir": {}}]
+    pod["spec"]["initContainers"] = [{"name": "warmup", "image": "busybox", "command": ["true"]}]
+    pod["spec"]["containers"].append({"name": "proxy", "image": "envoy"})
+    return pod
+
+
+SHAPES = {"llm-d": sample_pod, "minimal": minimal_pod, "busy": busy_pod}
+
+
+def load_example(name):
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["spec"].pop("containerName", None)  # find the vLLM container by its command
+    return doc
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("variant", VARIANTS)
+async def test_every_variant_and_pod_shape(webhook, variant, shape):
+    webhook.caches.observe("ADDED", load_example(variant))
+    pod = SHAPES[shape]()
+    status, answer = await webhook.post(MUTATE_PATH, review(pod))
+    assert status == 200 and answer["response"]["allowed"] is True
+    assert answer["response"]["uid"] == "u-1"
+    patched = apply(pod, answer)
+    kubernetes_validate.validate(patched, K8S, strict=True)
+    vllm = next(c for c in patched["spec"]["containers"] if c["name"] == "modelserver")
+    assert "--kv-transfer-config" in json.dumps(vllm)
+    assert patched["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
+    # idempotent: the patched pod comes back unchanged
+    status, again = await webhook.post(MUTATE_PATH, review(patched, uid="u-2"))
+    assert "patch" not in again["response"]
+
+
+async def test_unselected_and_opted_out_pods_pass_untouched(webhook):
+    webhook.caches.observe("ADDED", load_example("native-kvtier.yaml"))
+    other = minimal_pod()
+    other["metadata"]["labels"] = {"llm-d.ai/role": "prefill"}
+    opted = minimal_pod()
+    opted["metadata"]["labels"][names.LABEL_OPT_OUT] = "false"
+    for pod in (other, opted):
+        _, answer = await webhook.post(MUTATE_PATH, review(pod))
+        assert answer["response"] == {"uid": "u-1", "allowed": True}
+
+
+async def test_updates_are_not_mutated(webhook):
+    webhook.caches.observe("ADDED", load_example("native-kvtier.yaml"))
+    _, answer = await webhook.post(MUTATE_PATH, review(minimal_pod(), operation="UPDATE"))
+    assert "patch" not in answer["response"]
+
+
+async def test_hand_made_offloading_is_a_conflict_not_an_override(webhook):
+    webhook.caches.observe("ADDED", load_example("native-kvtier.yaml"))
+    pod = minimal_pod()
+    pod["spec"]["containers"][0]["command"] += ["--kv-transfer-config", "{}"]
+    _, answer = await webhook.post(MUTATE_PATH, review(pod))
+    assert answer["response"]["allowed"] and "patch" not in answer["response"]
+    assert "already passes --kv-transfer-config" in answer["response"]["warnings"][0]
+    (conflict,) = webhook.conflicts.for_cache("llm-d", "qwen3-tiered", ["decode-1"])
+    assert conflict.startswith("pod decode-1: container 'modelserver' already passes")
+
+
+async def test_two_caches_selecting_one_pod_both_report_it(webhook):
+    a = tpc_doc({"storage": None}, name="a", namespace="llm-d")
+    b = tpc_doc({"storage": None, "selector": {"matchLabels": {"llm-d.ai/role": None,
+                                                               "app": "vllm"}}},
+                name="b", namespace="llm-d")
+    b["spec"]["selector"] = {"matchLabels": {"app": "vllm"}}
+    webhook.caches.observe("ADDED", a)
+    webhook.caches.observe("ADDED", b)
+    pod = minimal_pod()
+    pod["metadata"]["labels"]["app"] = "vllm"
+    _, answer = await webhook.post(MUTATE_PATH, review(pod))
+    assert "patch" not in answer["response"]
+    for cache in ("a", "b"):
+        (c,) = webhook.conflicts.for_cache("llm-d", cache, ["decode-1"])
+        assert "selected by several TieredPrefixCaches (a, b)" in c
+    assert webhook.conflicts.for_cache("llm-d", "a", []) == []  # forgotten once the pod is gone
+
+
+async def test_missing_container_is_reported(webhook):
+    doc = load_example("native-kvtier.yaml")
+    doc["spec"]["containerName"] = "nope"
+    webhook.caches.observe("ADDED", doc)
+    _, answer = await webhook.post(MUTATE_PATH, review(minimal_pod()))
+    assert "patch" not in answer["response"]
+    assert "no container named 'nope'" in answer["response"]["warnings"][0]
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"kind": "AdmissionReview", "requ',
+                                  b"[]", b'{"kind": "AdmissionReview"}',
+                                  b'{"kind": "AdmissionReview", "request": {"operation": "CREATE"}}',
+                                  b"\xff\xfe"])
+async def test_garbage_gets_400(webhook, body):
+    for path in (MUTATE_PATH, VALIDATE_PATH):
+        status, answer = await webhook.post(path, data=body)
+        assert status == 400, (path, body, answer)
+        assert "error" in answer
+
+
+async def test_oversized_body_gets_413(webhook):
+    status, _ = await webhook.post(MUTATE_PATH, data=b"{" + b" " * (4 * 1024 * 1024) + b"}")
+    assert status == 413
+
+
+async def test_server_survives_all_of_that(webhook):
+    await test_garbage_gets_400(webhook, b"x")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(webhook.url + "/healthz", ssl=webhook.client_ssl) as resp:
+            assert resp.status == 200
+
+
+async def test_validating_webhook(webhook):
+    existing = tpc_doc(name="decode", namespace="llm-d")
+    webhook.caches.observe("ADDED", existing)
+    bad = tpc_doc({"eviction": {"lowWatermark": 90}}, name="x", namespace="llm-d")
+    _, answer = await webhook.post(VALIDATE_PATH, review(bad))
+    r = answer["response"]
+    assert r["allowed"] is False and r["status"]["code"] == 422
+    assert "spec.eviction: lowWatermark 90 must be below highWatermark 85" in r["status"]["message"]
+    overlapping = tpc_doc(name="x", namespace="llm-d")
+    _, answer = await webhook.post(VALIDATE_PATH, review(overlapping))
+    assert answer["response"]["allowed"] is False
+    assert "may select the same pods as decode" in answer["response"]["status"]["message"]
+    disjoint = tpc_doc({"selector": {"matchLabels": {"llm-d.ai/role": "prefill"}}},
+                       name="x", namespace="llm-d")
+    _, answer = await webhook.post(VALIDATE_PATH, review(disjoint))
+    assert answer["response"]["allowed"] is True
+    _, answer = await webhook.post(VALIDATE_PATH, review(existing, operation="UPDATE"))
+    assert answer["response"]["allowed"] is True  # a resource never overlaps itself
+
+
+async def test_certificate_rotation_is_picked_up(tmp_path):
+    certs = tmp_path / "certs"
+    ca1 = make_certs(certs)
+    tls = tls_context(str(certs / "tls.crt"), str(certs / "tls.key"))
+    port = free_port()
+    runner = await serve(make_app(CacheRegistry(), ConflictLog(), CTX), "127.0.0.1", port, tls)
+    watcher = asyncio.create_task(watch_certificates(tls, str(certs / "tls.crt"),
+                                                     str(certs / "tls.key"), interval=0.05))
+    await asyncio.sleep(0.1)  # the watcher has taken its first look at the files
+    try:
+        ca_copy = tmp_path / "ca1.crt"
+        ca_copy.write_bytes(ca1.read_bytes())
+        make_certs(certs)  # rotate: a new CA and serving certificate
+        await asyncio.sleep(0.3)
+        new_ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        old_ctx = ssl.create_default_context(cafile=str(ca_copy))
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"https://127.0.0.1:{port}/healthz", ssl=new_ctx) as r:
+                assert r.status == 200
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                async with session.get(f"https://127.0.0.1:{port}/healthz", ssl=old_ctx):
+                    pass
+    finally:
+        watcher.cancel()
+        await runner.cleanup()
