@@ -72,6 +72,7 @@ class Gateway:
                            self.apps.patch_namespaced_deployment, None),
             "StatefulSet": (self.apps.read_namespaced_stateful_set, None,
                             self.apps.patch_namespaced_stateful_set, None),
+            "ReplicaSet": (self.apps.read_namespaced_replica_set, None, None, None),
         }
 
     # ------------------------------------------------------------- plumbing
@@ -163,15 +164,26 @@ class Gateway:
                  if (e.get("involvedObject") or {}).get("name") == name]
         return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
 
-    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def get_custom(self, group: str, version: str, plural: str, namespace: str,
+                   name: str) -> dict[str, Any] | None:
         try:
-            return self._call(f"TieredPrefixCache {namespace}/{name}",
-                              self.custom.get_namespaced_custom_object, GROUP, VERSION,
-                              namespace, PLURAL, name)
+            return self._call(f"{plural}.{group} {namespace}/{name}",
+                              self.custom.get_namespaced_custom_object, group, version,
+                              namespace, plural, name)
         except ApiRejected as err:
             if err.status == 404:
                 return None
             raise
+
+    def patch_custom(self, group: str, version: str, plural: str, namespace: str, name: str,
+                     body: dict[str, Any]) -> dict[str, Any]:
+        return self._call(f"{plural}.{group} {namespace}/{name}",
+                          self.custom.patch_namespaced_custom_object, group, version, namespace,
+                          plural, name, body, field_manager=FIELD_MANAGER,
+                          _content_type="application/merge-patch+json")
+
+    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get_custom(GROUP, VERSION, PLURAL, namespace, name)
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self._call(f"status of {name}", self.custom.patch_namespaced_custom_object_status,

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import DeletePolicy, TieredPrefixCache
+from kvtier_operator.models import DeletePolicy, RolloutPolicy, TieredPrefixCache
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.quantity import quantity_bytes
 from kvtier_operator.render import names
@@ -21,6 +21,7 @@ from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import render_router_configmap
+from kvtier_operator.rollout import roll
 from kvtier_operator.status import (
     CONDITION_TYPES,
     EVICTOR_HEALTHY,
@@ -184,6 +185,14 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     digest = config_hash(tpc, ctx)
     counts = count_pods(tpc, pods, digest)
     injected = injected_condition(counts, conflicts or [])
+    if counts.pending and tpc.spec.rollout == RolloutPolicy.Auto and not conflicts:
+        pending = [p for p in pods if p.namespace == tpc.namespace and p.name in counts.pending]
+        result = roll(gw, tpc.namespace, pending, digest)
+        injected = Cond("False", "RollingOut", f"{len(counts.pending)} pod(s) pending: "
+                                               f"{result.message}")
+        if result.restarted is not None:
+            events.append(("Normal", "RolloutStarted", f"restarting {result.restarted.kind} "
+                                                       f"{result.restarted.name}"))
     if router_error:
         injected = Cond("False", "RouterConfigRejected", router_error)
     run = latest_run(runs, tpc)

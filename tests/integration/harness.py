@@ -36,6 +36,9 @@ RESOURCES = {
     "batch/v1/jobs": ResourceInfo(kind="Job", namespaced=True, verbs=CRUD),
     "apps/v1/deployments": ResourceInfo(kind="Deployment", namespaced=True, verbs=CRUD),
     "apps/v1/statefulsets": ResourceInfo(kind="StatefulSet", namespaced=True, verbs=CRUD),
+    "apps/v1/replicasets": ResourceInfo(kind="ReplicaSet", namespaced=True, verbs=CRUD),
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, verbs=CRUD),
 }
 TPC = "kvtier.dev/v1alpha1/tieredprefixcaches"
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:test", evictor_image="reg/kvtier:test")

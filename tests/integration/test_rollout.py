@@ -1,0 +1,140 @@
+"""rollout: Auto restarts workloads of stale pods one at a time; Manual only reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.render import names
+from kvtier_operator.render.pod import config_hash
+from tests.helpers import tpc_doc
+from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
+
+pytestmark = pytest.mark.timeout(120)
+NS = "ml"
+DECODE = {"llm-d.ai/role": "decode"}
+
+
+def doc(rollout):
+    d = tpc_doc({"rollout": rollout, "storage": None}, name="cache", namespace=NS)
+    d["metadata"].update(uid="u-1", generation=1)
+    return d
+
+
+def workload(kind, name, replicas=1):
+    return {"apiVersion": "apps/v1", "kind": kind,
+            "metadata": {"name": name, "namespace": NS, "generation": 1},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": DECODE},
+                     "template": {"metadata": {"labels": DECODE},
+                                  "spec": {"containers": [{"name": "vllm", "image": "x"}]}}},
+            "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": replicas,
+                       "updatedReplicas": replicas, "currentRevision": "r1",
+                       "updateRevision": "r1"}}
+
+
+def pod(name, owner_kind, owner_name, annotations=None):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": DECODE,
+                         "annotations": annotations or {},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": owner_kind,
+                                              "name": owner_name, "uid": f"{owner_name}-uid",
+                                              "controller": True}]},
+            "spec": {"containers": [{"name": "vllm", "image": "x"}]},
+            "status": {"phase": "Running"}}
+
+
+def restarted(kmock, resource, name):
+    o = obj(kmock, resource, NS, name) or {}
+    if resource.endswith("leaderworkersets"):
+        t = o["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    else:
+        t = o["spec"]["template"]
+    return (t.get("metadata") or {}).get("annotations", {}).get(names.ANNOTATION_RESTARTED_AT)
+
+
+def seed_world(kmock, rollout):
+    setup(kmock)
+    kmock.objects[TPC, NS, "cache"] = doc(rollout)
+    for name in ("alpha", "beta"):
+        kmock.objects["apps/v1/deployments", NS, name] = workload("Deployment", name)
+        rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet",
+              "metadata": {"name": f"{name}-5d8f", "namespace": NS,
+                           "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": name, "uid": f"{name}-uid",
+                                                "controller": True}]},
+              "spec": {"selector": {"matchLabels": DECODE}}}
+        kmock.objects["apps/v1/replicasets", NS, f"{name}-5d8f"] = rs
+        kmock.objects["v1/pods", NS, f"{name}-5d8f-0"] = pod(f"{name}-5d8f-0", "ReplicaSet",
+                                                             f"{name}-5d8f")
+    lws = workload("LeaderWorkerSet", "gamma")
+    lws["apiVersion"] = "leaderworkerset.x-k8s.io/v1"
+    lws["spec"] = {"replicas": 1, "leaderWorkerTemplate": {
+        "workerTemplate": lws["spec"]["template"]}}
+    kmock.objects["leaderworkerset.x-k8s.io/v1/leaderworkersets", NS, "gamma"] = lws
+    sts = workload("StatefulSet", "gamma-0")
+    sts["metadata"]["ownerReferences"] = [{"apiVersion": "leaderworkerset.x-k8s.io/v1",
+                                           "kind": "LeaderWorkerSet", "name": "gamma",
+                                           "uid": "g", "controller": True}]
+    kmock.objects["apps/v1/statefulsets", NS, "gamma-0"] = sts
+    kmock.objects["v1/pods", NS, "gamma-0-0"] = pod("gamma-0-0", "StatefulSet", "gamma-0")
+
+
+async def finish(kmock, old_pod, digest):
+    """What the workload's controller would do: replace the pod with an injected one."""
+    await kmock.delete(f"/api/v1/namespaces/{NS}/pods/{old_pod}")
+    new = pod(old_pod + "-new", "ReplicaSet", "x",
+              {names.ANNOTATION_CACHE: "cache", names.ANNOTATION_CONFIG_HASH: digest})
+    kmock.objects["v1/pods", NS, old_pod + "-new"] = new
+
+
+async def test_auto_restarts_one_workload_at_a_time(kmock):
+    seed_world(kmock, "Auto")
+    digest = config_hash(parse_tpc(doc("Auto")), CTX)
+    deploy, lws = "apps/v1/deployments", "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+    async with operator(kmock, drift_interval=0.2):
+        await until(lambda: restarted(kmock, deploy, "alpha") == digest, what="alpha restarted")
+        await asyncio.sleep(0.8)  # several more reconciles: nothing else may start meanwhile
+        assert restarted(kmock, deploy, "beta") is None
+        assert restarted(kmock, lws, "gamma") is None
+        cond = condition(obj(kmock, TPC, NS, "cache"), "Injected")
+        assert cond["reason"] == "RollingOut" and "Deployment alpha" in cond["message"]
+        await finish(kmock, "alpha-5d8f-0", digest)
+        await until(lambda: restarted(kmock, deploy, "beta") == digest, what="beta restarted")
+        await asyncio.sleep(0.6)
+        assert restarted(kmock, lws, "gamma") is None
+        await finish(kmock, "beta-5d8f-0", digest)
+        await until(lambda: restarted(kmock, lws, "gamma") == digest, what="gamma restarted")
+        leader = obj(kmock, lws, NS, "gamma")["spec"]["leaderWorkerTemplate"]
+        assert leader["leaderTemplate"]["metadata"]["annotations"][
+            names.ANNOTATION_RESTARTED_AT] == digest
+        await finish(kmock, "gamma-0-0", digest)
+        await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected")["status"]
+                    == "True", what="all injected")
+
+
+async def test_a_workload_still_rolling_blocks_restarts(kmock):
+    seed_world(kmock, "Auto")
+    busy = workload("Deployment", "alpha")
+    busy["status"]["updatedReplicas"] = 0  # its own rollout is in progress
+    kmock.objects["apps/v1/deployments", NS, "alpha"] = busy
+    async with operator(kmock, drift_interval=0.2):
+        cond = await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected"),
+                           what="cond")
+        await asyncio.sleep(0.6)
+    assert "waiting for Deployment alpha" in cond["message"]
+    assert restarted(kmock, "apps/v1/deployments", "beta") is None
+    assert restarted(kmock, "apps/v1/deployments", "alpha") is None
+
+
+async def test_manual_only_reports(kmock):
+    seed_world(kmock, "Manual")
+    async with operator(kmock, drift_interval=0.2):
+        cond = await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected"),
+                           what="cond")
+        await asyncio.sleep(0.6)
+    assert cond["reason"] == "PodsPending" and "3 selected pod(s)" in cond["message"]
+    for resource, name in (("apps/v1/deployments", "alpha"), ("apps/v1/deployments", "beta"),
+                           ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "gamma")):
+        assert restarted(kmock, resource, name) is None
