@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonpatch
 from aiohttp import web
 
 from kvtier_operator import KIND
@@ -37,31 +36,32 @@ VALIDATE_PATH = "/validate-tieredprefixcaches"
 
 
 class CacheRegistry:
-    """The TieredPrefixCaches the operator watches, by namespace (fed by watch events)."""
+    """The TieredPrefixCaches the operator watches, by namespace (fed by watch events),
+    parsed once per event rather than once per admission request."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bodies: dict[str, dict[str, dict[str, Any]]] = {}
+        self._caches: dict[str, dict[str, TieredPrefixCache]] = {}
 
     def observe(self, event_type: str, body: dict[str, Any]) -> None:
         meta = body.get("metadata") or {}
         ns, name = meta.get("namespace", ""), meta.get("name", "")
+        parsed = None
+        if event_type != "DELETED" and not meta.get("deletionTimestamp"):
+            try:
+                parsed = parse_tpc(body)
+            except InvalidResource:
+                pass  # an invalid resource injects nothing; its status says why
         with self._lock:
-            if event_type == "DELETED" or meta.get("deletionTimestamp"):
-                self._bodies.get(ns, {}).pop(name, None)
+            if parsed is None:
+                self._caches.get(ns, {}).pop(name, None)
             else:
-                self._bodies.setdefault(ns, {})[name] = body
+                self._caches.setdefault(ns, {})[name] = parsed
 
     def in_namespace(self, namespace: str) -> list[TieredPrefixCache]:
         with self._lock:
-            bodies = list(self._bodies.get(namespace, {}).values())
-        out = []
-        for body in bodies:
-            try:
-                out.append(parse_tpc(body))
-            except InvalidResource:
-                continue  # an invalid resource injects nothing; its status says why
-        return sorted(out, key=lambda t: t.name)
+            found = list(self._caches.get(namespace, {}).values())
+        return sorted(found, key=lambda t: t.name)
 
 
 @dataclass
@@ -83,6 +83,32 @@ class ConflictLog:
             for gone in [p for p in entries if p not in live]:
                 del entries[gone]
             return [f"pod {pod}: {reason}" for pod, reason in sorted(entries.items())]
+
+
+def _pointer(parts: list[str]) -> str:
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def diff_patch(src: Any, dst: Any, path: list[str] | None = None) -> list[dict[str, Any]]:
+    """An RFC 6902 patch turning src into dst: keys added, removed or replaced, lists
+    replaced whole. jsonpatch.make_patch gives the same result but diffs lists item by
+    item, which took 80% of an admission; the patch applies to exactly the object the
+    API server sent, so replacing a whole list loses nothing."""
+    path = path or []
+    if isinstance(src, dict) and isinstance(dst, dict):
+        ops: list[dict[str, Any]] = []
+        for key in src:
+            if key not in dst:
+                ops.append({"op": "remove", "path": _pointer([*path, key])})
+        for key, value in dst.items():
+            if key not in src:
+                ops.append({"op": "add", "path": _pointer([*path, key]), "value": value})
+            elif src[key] != value:
+                ops += diff_patch(src[key], value, [*path, key])
+        return ops
+    if src == dst:
+        return []
+    return [{"op": "replace", "path": _pointer(path), "value": dst}]
 
 
 def _response(uid: str, allowed: bool = True, patch: list[dict[str, Any]] | None = None,
@@ -144,8 +170,7 @@ def mutate_pod(review: Any, caches: CacheRegistry, conflicts: ConflictLog,
         return _response(uid, warnings=[f"kvtier: not injected: {c}" for c in result.conflicts])
     if not result.changed:
         return _response(uid)
-    patch = jsonpatch.make_patch(pod, result.pod).patch
-    return _response(uid, patch=patch)
+    return _response(uid, patch=diff_patch(pod, result.pod))
 
 
 @dataclass

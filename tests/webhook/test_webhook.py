@@ -262,3 +262,17 @@ async def test_certificate_rotation_is_picked_up(tmp_path):
     finally:
         watcher.cancel()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(("src", "dst"), [
+    ({"a": 1}, {"a": 2}),
+    ({"a": {"b/c": 1, "d~e": 2}}, {"a": {"b/c": 3}}),
+    ({"l": [1, 2, {"x": 1}]}, {"l": [1, {"x": 2}]}),
+    ({}, {"metadata": {"annotations": {"kvtier.dev/cache": "c"}}}),
+    ({"a": [1]}, {"a": [1]}),
+    ({"a": None}, {"a": {"b": 1}}),
+])
+def test_diff_patch_applies_with_an_independent_implementation(src, dst):
+    from kvtier_operator.webhook import diff_patch
+
+    assert jsonpatch.apply_patch(copy.deepcopy(src), diff_patch(src, dst)) == dst
