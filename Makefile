@@ -8,6 +8,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 STAMP_OPERATOR := $(VENV)/.stamp-operator
 STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
+HELM := .tools/helm
 
 .PHONY: demo test lint crds bench clean
 
@@ -33,8 +34,11 @@ demo: $(STAMP_OPERATOR)
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
 
+$(HELM): scripts/install-helm.sh
+	bash scripts/install-helm.sh $(HELM)
+
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
-test: $(STAMP_DEV)
+test: $(STAMP_DEV) $(HELM)
 	$(BIN)/ruff check .
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
@@ -42,9 +46,10 @@ test: $(STAMP_DEV)
 
 crds: $(STAMP_OPERATOR)
 	$(BIN)/kvtier crd -o $(CRD)
+	cp $(CRD) charts/kvtier/crds/
 
 bench: $(STAMP_DEV)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .ruff_cache

@@ -1,0 +1,17 @@
+{{- define "kvtier.name" -}}kvtier{{- end -}}
+{{- define "kvtier.fullname" -}}{{ printf "%s-kvtier" .Release.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- define "kvtier.labels" -}}
+app.kubernetes.io/name: kvtier
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+{{- define "kvtier.selectorLabels" -}}
+app.kubernetes.io/name: kvtier
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+{{- define "kvtier.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
+{{- define "kvtier.sidecarImage" -}}{{ .Values.sidecarImage.repository }}:{{ .Values.sidecarImage.tag | default .Chart.AppVersion }}{{- end -}}
+{{- define "kvtier.webhookService" -}}{{ include "kvtier.fullname" . }}-webhook{{- end -}}
+{{- define "kvtier.certSecret" -}}{{ include "kvtier.fullname" . }}-webhook-tls{{- end -}}
