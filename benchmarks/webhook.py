@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvtier_operator.certs import make_certs
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.webhook import (
     MUTATE_PATH,
@@ -29,7 +30,6 @@ from kvtier_operator.webhook import (
     tls_context,
 )
 from tests.helpers import EXAMPLES
-from tests.webhook.certs import make_certs
 
 REQUESTS, CONCURRENCY = 2000, 50
 

@@ -1,64 +1,248 @@
-"""`make demo`: what kvtier does for each example TieredPrefixCache, offline.
+"""`make demo`: kvtier's whole job, live, on one machine, with no cluster, GPU or root.
 
-For every example CR it validates, renders the objects the operator creates, and shows
-the sample vLLM Deployment as the webhook mutates it (a diff against the original).
+An in-process Kubernetes API server, the real operator and the real webhook server
+(HTTPS). It applies an example TieredPrefixCache, admits the sample vLLM Deployment's pod
+through the webhook, moves real KV blocks through the kvtier block store into a local
+directory, runs the evictor on it, and feeds the evictor's report back into the status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
+import json
+import os
+import socket
+import ssl
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-from kvtier_operator.loading import load_documents, parse_tpc, split_tpcs
+import yaml
+
+from kvtier_evictor.evict import Config as EvictorConfig
+from kvtier_evictor.evict import Run as EvictorRun
+from kvtier_evictor.layouts import KVTIER
+from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import sizing
 from kvtier_operator.render.connector import kv_transfer_json
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.render.objects import render_objects
-from kvtier_operator.render.pod import inject_workload
-from kvtier_operator.yamlio import dump, dump_all
+from kvtier_operator.yamlio import dump
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SAMPLE = "vllm-deployment.yaml"
-
-
-def _section(title: str) -> None:
-    print(f"\n{'=' * 78}\n{title}\n{'=' * 78}")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+EXAMPLE, SAMPLE = "native-kvtier.yaml", "vllm-deployment.yaml"
+NS = "llm-d"
+BLOCKS, BLOCK_BYTES = 48, 1 << 20
 
 
-def main(examples: Path = EXAMPLES) -> int:
+def say(title: str) -> None:
+    print(f"\n=== {title}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (KeyError, TypeError):
+            value = None
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"demo: timed out waiting for {what}")
+
+
+def _pod_from(deployment: dict[str, Any]) -> dict[str, Any]:
+    template = deployment["spec"]["template"]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {**template["metadata"], "name": "gpu-vllm-decode-7c9f-x2k4p",
+                         "namespace": NS},
+            "spec": template["spec"]}
+
+
+def move_kv_blocks(volume: Path, fingerprint_src: dict[str, Any]) -> dict[str, float]:
+    """Store real KV-sized blocks through the block store, load them back, compare."""
+    import mmap
+
+    from kvtier_offload.layout import fingerprint
+    from kvtier_offload.store import BlockStore, StoreConfig
+
+    store = BlockStore(StoreConfig(root=str(volume), fingerprint=fingerprint(fingerprint_src),
+                                   read_threads=2, write_threads=2, write_queue_seconds=60))
+    try:
+        arena = mmap.mmap(-1, BLOCKS * BLOCK_BYTES)
+        arena[:] = os.urandom(BLOCKS * BLOCK_BYTES)
+        rows = [memoryview(arena)[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] for i in range(BLOCKS)]
+        keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(BLOCKS)]
+        start = time.perf_counter()
+        store.store(1, list(zip(keys, rows, strict=True)))
+        store.drain()
+        stored_s = time.perf_counter() - start
+        assert store.finished()[0].success
+        back = mmap.mmap(-1, BLOCKS * BLOCK_BYTES)
+        dests = [memoryview(back)[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] for i in range(BLOCKS)]
+        start = time.perf_counter()
+        store.load(2, list(zip(keys, dests, strict=True)))
+        store.drain()
+        loaded_s = time.perf_counter() - start
+        assert store.finished()[0].success
+        identical = back[:] == arena[:]
+        now = time.time()  # age the files: the evictor never touches what was just used
+        for i, key in enumerate(keys):
+            path = store.layout.path(key)
+            os.utime(path, (now - 3600 - 60 * i, now - 3600 - 60 * i))
+    finally:
+        store.close()
+    return {"identical": float(identical), "store_gbps": BLOCKS * BLOCK_BYTES / stored_s / 1e9,
+            "load_gbps": BLOCKS * BLOCK_BYTES / loaded_s / 1e9}
+
+
+async def live(out: Path) -> int:
+    from kmock import KubernetesEmulator, Server
+
+    from kvtier_operator import sandbox
+    from kvtier_operator.certs import make_certs
+    from kvtier_operator.handlers import OperatorConfig
+    from kvtier_operator.webhook import MUTATE_PATH, make_app, serve, tls_context
+
+    doc = yaml.safe_load((EXAMPLES / EXAMPLE).read_text())
+    tpc = parse_tpc(doc)
+    name = tpc.name
+    deployment = yaml.safe_load((EXAMPLES / SAMPLE).read_text())
     ctx = RenderContext()
-    sample = load_documents((examples / SAMPLE).read_text())[0]
-    rendered = 0
-    for path in sorted(examples.glob("*.yaml")):
-        tpc_docs, _ = split_tpcs(load_documents(path.read_text()))
-        for doc in tpc_docs:
-            tpc = parse_tpc(doc)
-            spec = tpc.spec
-            _section(f"{path.name}: TieredPrefixCache {tpc.namespace}/{tpc.name}")
-            backend = spec.storage_backend or ("lmcache-disk" if spec.storage else "none")
-            print(f"connector {spec.connector}, CPU tier {spec.cpu.size}, "
-                  f"shared tier: {backend}")
-            print(f"KV bytes/token {spec.model.bytes_per_token:,}; router "
-                  f"lruCapacityPerServer {sizing.router_lru_capacity(spec):,}")
-            print(f"--kv-transfer-config {kv_transfer_json(tpc)}")
-            objs = render_objects(tpc, ctx)
-            kinds = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objs) or "none"
-            print(f"objects the operator applies: {kinds}")
-            mutated, conflicts = inject_workload(tpc, sample, ctx)
-            for conflict in conflicts:
-                print(f"conflict: {conflict}")
-            diff = difflib.unified_diff(
-                dump(sample).splitlines(), dump(mutated).splitlines(),
-                f"{SAMPLE} (as written)", f"{SAMPLE} (as injected)", lineterm="", n=1,
-            )
-            print("\n".join(diff))
-            if path.name == "native-kvtier.yaml":
-                print("\n--- everything `kvtier render` prints for this example ---")
-                print(dump_all(objs))
-            rendered += 1
-    _section(f"rendered {rendered} TieredPrefixCache examples; all valid")
+    config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    ca = make_certs(out / "webhook-certs")
+    port = _free_port()
+    certs = out / "webhook-certs"
+    tls = tls_context(str(certs / "tls.crt"), str(certs / "tls.key"))
+    async with KubernetesEmulator() as kmock, Server(kmock):
+        sandbox.setup(kmock)
+        runner = await serve(make_app(config.caches, config.conflicts, ctx), "127.0.0.1", port,
+                             tls)
+        try:
+            async with sandbox.operator(kmock, ctx, config=config):
+                say(f"1. kubectl apply -f examples/{EXAMPLE}")
+                print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
+                      f"{tpc.spec.cpu.size}, shared tier {tpc.spec.storage_backend} on a "
+                      f"{tpc.spec.storage.pvc.size} ReadWriteMany claim")
+                doc["metadata"]["uid"] = "demo-uid-1"
+                doc["metadata"]["generation"] = 1
+                kmock.objects[sandbox.TPC, NS, name] = doc
+
+                def get(resource: str, obj: str) -> dict[str, Any] | None:
+                    return sandbox.stored(kmock, resource, NS, obj)
+
+                claim = await _until(lambda: get("v1/persistentvolumeclaims", f"{name}-kv-cache"),
+                                     "the claim")
+                cron = await _until(lambda: get("batch/v1/cronjobs", f"{name}-evictor"), "CronJob")
+                router = await _until(lambda: get("v1/configmaps", f"{name}-router"), "router")
+                say("2. the operator created")
+                print(dump({"PersistentVolumeClaim": {"name": claim["metadata"]["name"],
+                                                      "spec": claim["spec"]}}))
+                container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"][
+                    "containers"][0]
+                print(dump({"CronJob": {"name": cron["metadata"]["name"],
+                                        "schedule": cron["spec"]["schedule"],
+                                        "concurrencyPolicy": cron["spec"]["concurrencyPolicy"],
+                                        "command": container["command"] + container["args"]}}))
+                print("ConfigMap " + router["metadata"]["name"] + " (llm-d router, CPU tier "
+                      f"lruCapacityPerServer {sizing.router_lru_capacity(tpc.spec):,} computed "
+                      "from 256 KiB/token x 16 tokens):")
+                print(router["data"]["tiered-prefix-cache-plugins.yaml"])
+                # The sandbox has no storage provisioner: bind the claim as one would.
+                await kmock.patch(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/"
+                                  f"{name}-kv-cache", json={"status": {
+                                      "phase": "Bound", "capacity": {"storage": "9000Gi"}}},
+                                  headers={"Content-Type": "application/merge-patch+json"})
+
+                say("3. a vLLM pod of examples/vllm-deployment.yaml is admitted through the "
+                    f"webhook (HTTPS :{port})")
+                pod = _pod_from(deployment)
+                review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                          "request": {"uid": "demo-1", "operation": "CREATE", "namespace": NS,
+                                      "object": pod}}
+                await _until(lambda: config.caches.in_namespace(NS), "the webhook's cache view")
+                import aiohttp
+                import jsonpatch
+
+                client_tls = ssl.create_default_context(cafile=str(ca))
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}", json=review,
+                                            ssl=client_tls) as resp:
+                        answer = await resp.json()
+                patch = json.loads(__import__("base64").b64decode(answer["response"]["patch"]))
+                injected = jsonpatch.apply_patch(pod, patch)
+                print(f"{len(patch)} JSONPatch operations; the pod as written vs as admitted:")
+                print("\n".join(difflib.unified_diff(
+                    dump(pod).splitlines(), dump(injected).splitlines(), "as written",
+                    "as admitted", lineterm="", n=1)))
+                injected["status"] = {"phase": "Running"}
+                kmock.objects["v1/pods", NS, injected["metadata"]["name"]] = injected
+
+                say("4. KV blocks move through the kvtier backend into the shared volume")
+                volume = out / "volume"
+                moved = move_kv_blocks(volume, {"model": tpc.spec.model.name, "demo": True})
+                print(f"stored {BLOCKS} blocks of {BLOCK_BYTES >> 20} MiB at "
+                      f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
+                      f"{moved['load_gbps']:.2f} GB/s into {volume}; bit-identical: "
+                      f"{bool(moved['identical'])}")
+                print(f"(vLLM gets this tier from --kv-transfer-config {kv_transfer_json(tpc)})")
+
+                say("5. the evictor CronJob's run, against that volume")
+                capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full
+                report = EvictorRun(EvictorConfig(
+                    root=str(volume), layout=KVTIER, high_watermark=85, low_watermark=60,
+                    min_idle_seconds=600, capacity_bytes=capacity, threads=1)).execute()
+                print(f"usage {report.usage_before.percent:.1f}% -> "
+                      f"{report.usage_after.percent:.1f}% (budget {capacity:,} bytes): "
+                      f"{report.outcome}, {report.files_deleted} least-recently-used files "
+                      f"deleted, {report.bytes_freed:,} bytes freed")
+                kmock.objects["v1/pods", NS, f"{name}-evictor-1-demo"] = {
+                    "apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": f"{name}-evictor-1-demo", "namespace": NS, "labels": {
+                        "kvtier.dev/cache": name, "kvtier.dev/component": "evictor",
+                        "job-name": f"{name}-evictor-1"}},
+                    "spec": {"containers": [{"name": "evictor", "image": ctx.evictor_image}]},
+                    "status": {"phase": "Succeeded", "containerStatuses": [{
+                        "name": "evictor", "state": {"terminated": {
+                            "exitCode": 0, "finishedAt": report.finished_at,
+                            "message": report.to_json(limit=4096)}}}]}}
+
+                say(f"6. kubectl get tpc {name} -o yaml (status)")
+                body = await _until(lambda: (lambda b: b if (b.get("status") or {}).get(
+                    "lastEviction") and b["status"].get("injectedPods") == 1
+                    and b["status"]["conditions"][0]["status"] == "True" else None)(
+                    get(sandbox.TPC, name)), "status with the eviction report")
+                print(dump({"status": body["status"]}))
+        finally:
+            await runner.cleanup()
+    st = body["status"]
+    say("summary")
+    print(f"Ready={st['conditions'][0]['status']}, claim {st['pvc']['name']} "
+          f"{st['pvc']['phase']}, {st['injectedPods']} pod injected, "
+          f"{st['pendingPods']} pending, last eviction {st['lastEviction']['outcome']} "
+          f"({st['lastEviction']['filesDeleted']} files), usage {st['usage']['percent']}%")
     return 0
+
+
+def main() -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    for noisy in ("kopf", "aiohttp", "kvtier_operator", "kvtier_offload", "kvtier_evictor"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    out = Path(os.environ.get("KVTIER_DEMO_DIR") or tempfile.mkdtemp(prefix="kvtier-demo-"))
+    return asyncio.run(live(out))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-from kvtier_operator import demo
 from kvtier_operator.loading import parse_tpc
 from kvtier_operator.quantity import GIB, MIB
 from kvtier_operator.render import sizing
@@ -48,13 +47,3 @@ def test_geometry_table_matches_code(model):
     assert _num(row.strip("|").split("|")[-1]) == spec.model.bytes_per_token
 
 
-def test_demo_renders_every_example(capsys):
-    assert demo.main() == 0
-    out = capsys.readouterr().out
-    assert "rendered 5 TieredPrefixCache examples; all valid" in out
-    # the sample Deployment with the Qwen3-32B kvtier example, as docs/sizing.md states
-    section = out.split("native-kvtier.yaml:")[1].split("native-vllm-fs.yaml:")[0]
-    assert "+            memory: 303Gi" in section
-    assert "+            memory: 203Gi" in section
-    assert "+          sizeLimit: 120Gi" in section
-    assert "conflict" not in out

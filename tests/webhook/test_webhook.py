@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvtier_operator.certs import make_certs
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.webhook import (
@@ -28,7 +29,6 @@ from kvtier_operator.webhook import (
     watch_certificates,
 )
 from tests.helpers import EXAMPLES, tpc_doc
-from tests.webhook.certs import make_certs
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
 K8S = kubernetes_validate.latest_version()

@@ -1,4 +1,5 @@
-"""A throwaway CA and serving certificate for HTTPS tests."""
+"""A throwaway CA and serving certificate, for `make demo` and the tests (in a cluster,
+the chart or cert-manager provides them)."""
 
 from __future__ import annotations
 
