@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds bench clean
+.PHONY: demo test lint crds docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ test: $(STAMP_DEV) $(HELM)
 crds: $(STAMP_OPERATOR)
 	$(BIN)/kvtier crd -o $(CRD)
 	cp $(CRD) charts/kvtier/crds/
+
+docs: $(STAMP_OPERATOR)
+	$(BIN)/python -m kvtier_operator.docgen docs/reference.md
 
 bench: $(STAMP_DEV)
 	$(BIN)/python -m benchmarks

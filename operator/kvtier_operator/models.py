@@ -247,6 +247,7 @@ class ClaimTemplate(ApiModel):
         Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]
     ] = Field(
         default_factory=lambda: ["ReadWriteMany"],
+        json_schema_extra={"default": ["ReadWriteMany"]},
         min_length=1,
         description="Access modes of the new PVC. ReadWriteMany lets every replica share it.",
     )
