@@ -75,8 +75,15 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
     metrics.RECONCILES.labels("invalid" if invalid else "ok" if outcome.ok else "degraded").inc()
     if not invalid:
         labels = (meta.get("namespace", ""), meta.get("name", ""))
-        metrics.INJECTED_PODS.labels(*labels).set(outcome.status["injectedPods"])
-        metrics.PENDING_PODS.labels(*labels).set(outcome.status["pendingPods"])
+        st = outcome.status
+        metrics.INJECTED_PODS.labels(*labels).set(st["injectedPods"])
+        metrics.PENDING_PODS.labels(*labels).set(st["pendingPods"])
+        metrics.READY.labels(*labels).set(st["conditions"][0]["status"] == "True")
+        if st.get("usage"):
+            metrics.VOLUME_USAGE.labels(*labels).set(st["usage"]["percent"])
+        if st.get("lastEviction"):
+            metrics.EVICTED_FILES.labels(*labels).set(st["lastEviction"]["filesDeleted"])
+            metrics.EVICTED_BYTES.labels(*labels).set(st["lastEviction"]["bytesFreed"])
     return outcome
 
 

@@ -145,3 +145,21 @@ def test_chart_crd_is_the_generated_one():
     chart_crd = (CHART / "crds" / "tieredprefixcaches.kvtier.dev.yaml").read_text()
     assert chart_crd == (ROOT / "crds" / "tieredprefixcaches.kvtier.dev.yaml").read_text(), \
         "charts/kvtier/crds is stale: run `make crds`"
+
+
+def test_dashboard_queries_only_metrics_that_exist():
+    import json
+    import re
+
+    dashboard = json.loads((CHART / "dashboards" / "kvtier.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z_]+)", e)}
+    sources = "".join(p.read_text() for p in (ROOT / "operator").rglob("metrics.py")) + \
+        "".join(p.read_text() for p in (ROOT / "sidecar").rglob("metrics.py"))
+    declared = set(re.findall(r'"(kvtier_[a-z_]+)"', sources))
+    exported = declared | {f"{m}_total" for m in declared} | {f"{m}_bucket" for m in declared}
+    assert used and used <= exported, sorted(used - exported)
+    objs = render("grafana.dashboard.enabled=true")
+    (cm,) = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")]
+    assert json.loads(cm["data"]["kvtier.json"]) == dashboard
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
