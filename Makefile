@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds docs bench clean
+.PHONY: demo test lint crds docs bench images clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ crds: $(STAMP_OPERATOR)
 
 docs: $(STAMP_OPERATOR)
 	$(BIN)/python -m kvtier_operator.docgen docs/reference.md
+
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+images:
+	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
+	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .
+	docker build -f sidecar/Dockerfile -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
 
 bench: $(STAMP_DEV)
 	$(BIN)/python -m benchmarks

@@ -1,0 +1,65 @@
+"""The images, as far as a machine without a Docker engine can test them: pinned,
+non-root bases, and the Dockerfiles' install steps run in a fresh virtualenv."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+DOCKERFILES = [ROOT / "Dockerfile", ROOT / "sidecar" / "Dockerfile"]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dockerfile_is_pinned_and_non_root(path):
+    text = path.read_text()
+    for base in re.findall(r"^FROM\s+(\S+)", text, re.M):
+        assert re.search(r":\d+\.\d+\.\d+", base), f"{base} is not pinned to a version"
+        assert "latest" not in base
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert not re.search(r"^ADD\s+https?://", text, re.M)
+
+
+def test_operator_image_install_steps_in_a_virtualenv(tmp_path):
+    """The build stage wheels the project; the evictor must then run with no dependencies
+    at all (it is stdlib only), as the CronJob runs it from the operator image."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w",
+                    str(wheels), str(ROOT)], check=True, timeout=300)
+    (wheel,) = wheels.glob("kvtier-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "--quiet", "--no-deps", str(wheel)], check=True, timeout=300)
+    evictor = venv / "bin" / "kvtier-evictor"
+    assert (venv / "bin" / "kvtier").exists()
+    help_text = subprocess.run([str(evictor), "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    assert "--termination-log" in help_text
+    run = subprocess.run([str(evictor), "--root", str(tmp_path / "missing")],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 1 and '"outcome":"error"' in run.stdout
+
+
+def test_sidecar_image_entrypoint_installs_the_backend(tmp_path):
+    """The sidecar image runs `python3 -m kvtier_offload install --target DIR` from a
+    copy of sidecar/kvtier_offload on PYTHONPATH (see sidecar/Dockerfile)."""
+    text = (ROOT / "sidecar" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python3", "-m", "kvtier_offload"]' in text
+    assert "COPY sidecar/kvtier_offload /opt/kvtier/src/kvtier_offload" in text
+    import shutil
+
+    src = tmp_path / "opt-src"
+    shutil.copytree(ROOT / "sidecar" / "kvtier_offload", src / "kvtier_offload")
+    target = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "kvtier_offload", "install", "--target",
+                          str(target)], env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert (target / "kvtier_offload" / "vllm_tier.py").exists()
