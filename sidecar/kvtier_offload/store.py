@@ -97,6 +97,15 @@ def _aligned(buf: memoryview) -> bool:
     return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes of a scatter/gather list (after a partial readv/writev)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
+
+
 def probe_o_direct(directory: str) -> bool:
     """Whether files in directory accept O_DIRECT I/O (tmpfs, overlayfs and some NFS
     mounts refuse it)."""
@@ -440,11 +449,7 @@ class BlockStore:
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
             written += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            _advance(views, n)
 
     @staticmethod
     def _read_all(fd: int, parts: list[memoryview]) -> int:
@@ -456,11 +461,7 @@ class BlockStore:
             if n <= 0:
                 break  # end of file
             offset += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            _advance(views, n)
         return offset
 
     def _write_direct(self, fd: int, header: bytes, data: memoryview) -> None:

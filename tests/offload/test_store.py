@@ -330,3 +330,30 @@ def test_o_direct_refused_falls_back_to_buffered(make_store, monkeypatch):
     dest = rows(2, SIZE, seed=12)
     assert run_load(store, 2, list(zip(ks, dest))).success
     assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+
+
+def test_partial_transfers_advance_the_buffer_list():
+    from kvtier_offload.store import _advance
+
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"hi")]
+    _advance(views, 5)
+    assert [bytes(v) for v in views] == [b"fg", b"hi"]
+    _advance(views, 4)
+    assert views == []
+
+
+def test_short_writes_are_resumed(make_store, monkeypatch):
+    store = make_store(o_direct="off")
+    real = os.writev
+
+    def stingy(fd, bufs):  # the kernel may write less than asked; never more than 1000
+        first = bytes(memoryview(bufs[0])[:1000])
+        return real(fd, [first])
+
+    monkeypatch.setattr(os, "writev", stingy)
+    ks, src = keys(1), rows(1, SIZE, seed=21)
+    assert run_store(store, 1, list(zip(ks, src))).success
+    monkeypatch.setattr(os, "writev", real)
+    dest = rows(1, SIZE, seed=22)
+    assert run_load(store, 2, list(zip(ks, dest))).success
+    assert bytes(dest[0]) == bytes(src[0])
