@@ -313,3 +313,28 @@ async def test_invalid_spec_becomes_a_condition(kmock):
     assert cond["reason"] == "InvalidSpec"
     assert "spec.eviction: lowWatermark 60 must be below highWatermark 50" in cond["message"]
     assert cronjob(kmock) is None and pvc(kmock) is None
+
+
+async def test_webhook_conflicts_become_the_injected_condition(kmock):
+    from kvtier_operator import sandbox
+    from kvtier_operator.handlers import OperatorConfig
+    from kvtier_operator.webhook import mutate_pod
+
+    setup(kmock)
+    doc = cache({"storage": None})
+    seed(kmock, doc)
+    pod = _pod("decode-0", {"llm-d.ai/role": "decode"})
+    pod["spec"]["containers"][0]["command"] = ["vllm", "serve", "m", "--kv-transfer-config", "{}"]
+    kmock.objects["v1/pods", NS, "decode-0"] = pod
+    config = OperatorConfig(render=CTX, drift_interval=0.2)
+    async with sandbox.operator(kmock, CTX, config=config):
+        await until(lambda: config.caches.in_namespace(NS), what="the webhook's view")
+        review = {"kind": "AdmissionReview", "request": {"uid": "u", "operation": "CREATE",
+                                                         "namespace": NS, "object": pod}}
+        answer = mutate_pod(review, config.caches, config.conflicts, CTX)
+        assert "patch" not in answer["response"]
+        cond = await until(lambda: (lambda c: c if c and c["reason"] == "Conflict" else None)(
+            condition(tpc_obj(kmock), "Injected")), what="Conflict condition")
+    assert cond["status"] == "False"
+    assert "pod decode-0: container 'vllm' already passes --kv-transfer-config" in cond["message"]
+    assert condition(tpc_obj(kmock), "Ready")["reason"] == "Conflict"
