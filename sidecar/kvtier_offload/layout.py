@@ -59,7 +59,14 @@ class Layout:
             pass  # some filesystems ignore modes; nothing depends on it locally
 
     def write_config(self, config: dict[str, Any]) -> None:
-        """config.json beside the blocks, for people: written once, atomically."""
+        """config.json beside the blocks, for people: written once, atomically; a volume
+        that cannot take it (read-only, full) is no reason to fail."""
+        try:
+            self._write_config(config)
+        except OSError:
+            pass
+
+    def _write_config(self, config: dict[str, Any]) -> None:
         self.ensure_dir(self.base)
         target = os.path.join(self.base, "config.json")
         if os.path.exists(target):

@@ -133,8 +133,13 @@ class BlockStore:
     def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
-        self.layout.ensure_dir(self.layout.base)
         self.metrics = metrics or Metrics()
+        try:
+            self.layout.ensure_dir(self.layout.base)
+        except OSError as err:
+            # A read-only or full volume must not stop vLLM: stores fail, lookups miss.
+            log.warning("kvtier cannot create %s (%s); every store will fail and every "
+                        "lookup miss until it can", self.layout.base, err)
         if config.o_direct == "auto":
             self.o_direct = probe_o_direct(self.layout.base)
         else:

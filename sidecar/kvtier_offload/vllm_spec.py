@@ -1,0 +1,271 @@
+"""kvtier as vLLM's own OffloadingSpec (vLLM 0.32 API): GPU (or CPU) KV blocks <-> files.
+
+For deployments without a CPU tier. The manager runs in the scheduler and answers
+lookups from the shared volume; the worker runs beside the model and copies KV pages
+to and from files through staging buffers. Loaded by vLLM from kv-transfer-config:
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
+        "spec_module_path": "kvtier_offload.vllm_spec", "root_dir": "/mnt/files-storage"}}
+
+vLLM asserts that every worker transfer succeeded, so failures cannot be reported:
+- a store that fails is reported done but never becomes visible (lookups stat the
+  volume and the manager never assumes a store landed), so it is simply a miss later;
+- a load that cannot be verified stops the engine with an error naming the file,
+  rather than copying unverified or stale staging bytes into the KV cache. Lookups
+  refresh the file's access time so the evictor keeps what was just promised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import vllm
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+
+from kvtier_offload.layout import fingerprint
+from kvtier_offload.store import BlockStore, StoreConfig
+
+log = logging.getLogger("kvtier_offload")
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):
+    """The files of a transfer: one per offload key (sent scheduler -> worker)."""
+
+    def __init__(self, keys: Iterable[OffloadKey]) -> None:
+        self.keys = [bytes(k) for k in keys]
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
+
+
+class KvtierLoadError(RuntimeError):
+    """A promised block could not be verified: the engine must stop, not compute on it."""
+
+
+def spec_fingerprint(spec: OffloadingSpec) -> dict[str, Any]:
+    config = spec.config
+    parallel = config.parallel
+    return {
+        "engine": "vllm", "mode": "worker",
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "model": config.model.name,
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
+                   for g in config.groups],
+        "page_bytes": config.worker_kv_bytes_per_block,
+        "tp": parallel.tp_size, "pp": parallel.pp_size, "rank": parallel.rank,
+        "kv_cache_layout": str(getattr(config, "kv_cache_layout", None)),
+    }
+
+
+def _store(spec: KvtierOffloadingSpec) -> BlockStore:
+    extra = spec.extra_config
+    return BlockStore(StoreConfig(
+        root=str(extra["root_dir"]), fingerprint=fingerprint(spec_fingerprint(spec)),
+        read_threads=int(extra.get("n_read_threads", 8)),
+        write_threads=int(extra.get("n_write_threads", 8)),
+        o_direct=str(extra.get("o_direct", "auto")),
+        write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
+        # the manager must stat the volume, never trust what it was told
+        lookup_hit_ttl=float(extra.get("lookup_hit_ttl", 2.0)),
+    ))
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    def __init__(self, store: BlockStore, events: bool = False) -> None:
+        self.store = store
+        self._events: list[OffloadingEvent] | None = [] if events else None
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        present = self.store.lookup(bytes(key))  # a hit refreshes the file's atime
+        if present is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if present else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return KvtierLoadStoreSpec(keys)
+
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext) -> PrepareStoreOutput | None:
+        new = [k for k, there in zip(keys, self.store.lookup_now([bytes(k) for k in keys]),
+                                     strict=True) if not there]
+        return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
+                                  evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        for key in keys:  # whatever the worker said, let the next lookup look at the volume
+            self.store.forget(bytes(key))
+        if self._events is not None and keys:
+            # Announce only what really landed: a dropped store was reported "done" too.
+            landed = [k for k, there in zip(keys, self.store.lookup_now(
+                [bytes(k) for k in keys]), strict=True) if there]
+            if landed:
+                self._events.append(OffloadingEvent(keys=list(landed), medium=Medium.STORAGE,
+                                                    removed=False))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        out, self._events = self._events, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    """Copies whole KV pages (every canonical tensor's page of a block) to one file."""
+
+    def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
+                 blocks_per_chunk: int) -> None:
+        if blocks_per_chunk != 1:
+            raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
+                             "block_size unset in kv_connector_extra_config")
+        self.store = store
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.pages = [t.page_size_bytes for t in kv_caches.tensors]
+        self.page_total = sum(self.pages)
+        self.pinned = any(t.is_cuda for t in self.tensors)
+        self._lock = threading.Lock()
+        self._done: list[TransferResult] = []
+        self._stream = torch.cuda.Stream() if self.pinned else None
+
+    def _staging(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.page_total), dtype=torch.int8, pin_memory=self.pinned)
+
+    def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Copy the blocks' pages into staging; returns once the source was read."""
+        staging = self._staging(len(block_ids))
+        index = torch.as_tensor(block_ids.astype(np.int64))
+        offset = 0
+        stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        with ctx:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+            for tensor, page in zip(self.tensors, self.pages, strict=True):
+                rows = tensor.index_select(0, index.to(tensor.device)).reshape(len(block_ids), -1)
+                staging[:, offset:offset + page].copy_(rows[:, :page], non_blocking=True)
+                offset += page
+        if stream is not None:
+            stream.synchronize()  # vLLM reuses the GPU blocks as soon as wait() returns
+        return staging
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvtierLoadStoreSpec)
+        keys = dst_spec.keys
+        block_ids = np.asarray(src_spec.block_ids)[-len(keys):] if keys else np.array([])
+        start = time.monotonic()
+        if keys:
+            staging = self._gather(block_ids)
+            arr = staging.numpy().view(np.uint8)
+            self.store.store(job_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
+            self._keep[job_id] = staging  # alive until the files are written
+        self._finish(job_id, len(keys) * self.page_total, start)
+        return True
+
+    _keep: dict[int, torch.Tensor] = {}
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KvtierLoadStoreSpec)
+        keys = src_spec.keys
+        block_ids = np.asarray(dst_spec.block_ids)[-len(keys):] if keys else np.array([])
+        start = time.monotonic()
+        staging = self._staging(len(keys))
+        arr = staging.numpy().view(np.uint8)
+        self.store.load(-job_id - 1, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
+        self.store.drain()
+        for outcome in self.store.finished():
+            if outcome.job_id == -job_id - 1 and not outcome.success:
+                bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
+                raise KvtierLoadError(
+                    f"kvtier could not verify {len(bad)} promised block(s), e.g. "
+                    f"{self.store.layout.path(bad[0])}; stopping instead of computing on "
+                    "unverified KV (was the file deleted or corrupted after the lookup?)")
+        index = torch.as_tensor(block_ids.astype(np.int64))
+        offset = 0
+        for tensor, page in zip(self.tensors, self.pages, strict=True):
+            rows = staging[:, offset:offset + page].to(tensor.device, non_blocking=True)
+            # Rows may be strided (packed blocks): index the tensor itself, never a copy.
+            view = tensor if tensor.dim() == 2 else tensor.flatten(1)
+            view[index.to(tensor.device), :page] = rows
+            offset += page
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()
+        self._finish(job_id, len(keys) * self.page_total, start)
+        return True
+
+    def _finish(self, job_id: int, size: int, start: float) -> None:
+        with self._lock:
+            self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=size,
+                                             transfer_time=time.monotonic() - start))
+
+    def get_finished(self) -> list[TransferResult]:
+        for outcome in self.store.finished():  # stores finished writing: release staging
+            self._keep.pop(outcome.job_id, None)
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # sources are copied before submit_* returns
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if "root_dir" not in self.extra_config:
+            raise ValueError("KvtierOffloadingSpec needs root_dir in kv_connector_extra_config")
+        self._manager: KvtierOffloadingManager | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            store = _store(self)
+            store.layout.write_config(spec_fingerprint(self))
+            self._manager = KvtierOffloadingManager(
+                store, events=self.kv_events_config.enable_kv_cache_events)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        return KvtierOffloadingWorker(_store(self), kv_caches, self.blocks_per_chunk)

