@@ -28,6 +28,31 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def vllm_fields(config: Any) -> dict[str, Any]:
+    """The fields of vLLM's OffloadingConfig (0.26+) that decide whether two engines'
+    KV bytes are interchangeable: model, dtype, block geometry, parallel and KV layout,
+    and the vLLM version family (its on-disk conventions change between releases)."""
+    import vllm  # only ever called inside vLLM
+
+    parallel = config.parallel
+    layout = getattr(config, "kv_cache_layout", None)
+    return {
+        "engine": "vllm",
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "model": config.model.name,
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
+                   for g in config.groups],
+        "tp": parallel.tp_size, "pp": parallel.pp_size,
+        "pcp": parallel.pcp_size, "dcp": parallel.dcp_size,
+        "replicated_layout": bool(getattr(config, "replicated_layout", False)),
+        "canonical_layout": bool(getattr(config, "canonical_layout", False)),
+        "kv_cache_layout": str(layout) if layout is not None else None,
+    }
+
+
 class Layout:
     def __init__(self, root: str, fp: str) -> None:
         self.root = root

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import vllm
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -44,7 +43,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvtier_offload.layout import fingerprint
+from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.store import BlockStore, StoreConfig
 
 log = logging.getLogger("kvtier_offload")
@@ -65,21 +64,11 @@ class KvtierLoadError(RuntimeError):
 
 
 def spec_fingerprint(spec: OffloadingSpec) -> dict[str, Any]:
+    """What makes this spec's files incompatible: the shared fields plus the worker's page
+    size and rank (each rank writes its own pages)."""
     config = spec.config
-    parallel = config.parallel
-    return {
-        "engine": "vllm", "mode": "worker",
-        "vllm": ".".join(vllm.__version__.split(".")[:2]),
-        "model": config.model.name,
-        "dtype": str(config.model.dtype).removeprefix("torch."),
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
-                   for g in config.groups],
-        "page_bytes": config.worker_kv_bytes_per_block,
-        "tp": parallel.tp_size, "pp": parallel.pp_size, "rank": parallel.rank,
-        "kv_cache_layout": str(getattr(config, "kv_cache_layout", None)),
-    }
+    return {**vllm_fields(config), "mode": "worker",
+            "page_bytes": config.worker_kv_bytes_per_block, "rank": config.parallel.rank}
 
 
 def _store(spec: KvtierOffloadingSpec) -> BlockStore:

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
-import vllm
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -30,34 +29,16 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier_offload.layout import fingerprint
+from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.store import BlockStore, StoreConfig
 
 log = logging.getLogger("kvtier_offload")
 
 
 def fingerprint_config(spec: Any, row_bytes: int) -> dict[str, Any]:
-    """Everything that makes two caches' files incompatible: model, dtype, KV layout and
-    page size, block geometry, parallel layout and the vLLM version family."""
-    config = spec.config
-    parallel = config.parallel
-    layout = getattr(config, "kv_cache_layout", None)
-    return {
-        "engine": "vllm",
-        "vllm": ".".join(vllm.__version__.split(".")[:2]),
-        "model": config.model.name,
-        "dtype": str(config.model.dtype).removeprefix("torch."),
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [{"tokens_per_block": g.tokens_per_block, "layers": list(g.layer_names)}
-                   for g in config.groups],
-        "tp": parallel.tp_size, "pp": parallel.pp_size,
-        "pcp": parallel.pcp_size, "dcp": parallel.dcp_size,
-        "replicated_layout": bool(getattr(config, "replicated_layout", False)),
-        "canonical_layout": bool(getattr(config, "canonical_layout", False)),
-        "kv_cache_layout": str(layout) if layout is not None else None,
-        "row_bytes": row_bytes,
-    }
+    """What makes this tier's files incompatible: the shared fields plus the CPU-tier row
+    size (a row holds every worker's cell of a chunk)."""
+    return {**vllm_fields(spec.config), "mode": "tier", "row_bytes": row_bytes}
 
 
 class KvtierStorageTier(SecondaryTierManager):
