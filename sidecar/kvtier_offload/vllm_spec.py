@@ -130,11 +130,45 @@ class KvtierOffloadingManager(OffloadingManager):
         self.store.close()
 
 
+class StagingPool:
+    """Reusable staging buffers (pinned when the KV lives on a GPU), bounded in bytes:
+    buffers are kept per row count and reused; above the bound, acquire() waits for
+    stores in flight to finish with theirs."""
+
+    def __init__(self, row_bytes: int, pinned: bool, max_bytes: int) -> None:
+        self.row_bytes, self.pinned, self.max_bytes = row_bytes, pinned, max_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._held = 0  # bytes of every buffer allocated (free or in use)
+
+    def acquire(self, rows: int, make_room: Any) -> torch.Tensor:
+        free = self._free.get(rows)
+        if free:
+            return free.pop()
+        need = rows * self.row_bytes
+        while self._held + need > self.max_bytes and self._held > 0:
+            if not self._drop_one_free():
+                make_room()  # collects finished stores, which release their buffers
+                time.sleep(0.001)
+        self._held += need
+        return torch.empty((rows, self.row_bytes), dtype=torch.int8, pin_memory=self.pinned)
+
+    def _drop_one_free(self) -> bool:
+        for rows, buffers in self._free.items():
+            if buffers:
+                buffers.pop()
+                self._held -= rows * self.row_bytes
+                return True
+        return False
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault(buffer.shape[0], []).append(buffer)
+
+
 class KvtierOffloadingWorker(OffloadingWorker):
     """Copies whole KV pages (every canonical tensor's page of a block) to one file."""
 
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
-                 blocks_per_chunk: int) -> None:
+                 blocks_per_chunk: int, max_staging_bytes: int = 1 << 30) -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -143,16 +177,26 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.pages = [t.page_size_bytes for t in kv_caches.tensors]
         self.page_total = sum(self.pages)
         self.pinned = any(t.is_cuda for t in self.tensors)
+        self.staging = StagingPool(self.page_total, self.pinned, max_staging_bytes)
         self._lock = threading.Lock()
         self._done: list[TransferResult] = []
+        self._storing: dict[int, torch.Tensor] = {}  # store job -> its staging buffer
+        self._loaded: dict[int, Any] = {}  # load job -> its outcome
         self._stream = torch.cuda.Stream() if self.pinned else None
 
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.page_total), dtype=torch.int8, pin_memory=self.pinned)
+    def _collect(self) -> None:
+        """Dispatch what the store finished: free store buffers, keep load outcomes."""
+        for outcome in self.store.finished():
+            if outcome.kind == "store":
+                buffer = self._storing.pop(outcome.job_id, None)
+                if buffer is not None:
+                    self.staging.release(buffer)
+            else:
+                self._loaded[outcome.job_id] = outcome
 
     def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
         """Copy the blocks' pages into staging; returns once the source was read."""
-        staging = self._staging(len(block_ids))
+        staging = self.staging.acquire(len(block_ids), self._collect)
         index = torch.as_tensor(block_ids.astype(np.int64))
         offset = 0
         stream = self._stream
@@ -172,45 +216,52 @@ class KvtierOffloadingWorker(OffloadingWorker):
                      dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
         keys = dst_spec.keys
-        block_ids = np.asarray(src_spec.block_ids)[-len(keys):] if keys else np.array([])
         start = time.monotonic()
         if keys:
+            block_ids = np.asarray(src_spec.block_ids)[-len(keys):]
             staging = self._gather(block_ids)
             arr = staging.numpy().view(np.uint8)
+            self._storing[job_id] = staging  # released when the files are written
             self.store.store(job_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
-            self._keep[job_id] = staging  # alive until the files are written
         self._finish(job_id, len(keys) * self.page_total, start)
         return True
-
-    _keep: dict[int, torch.Tensor] = {}
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, KvtierLoadStoreSpec)
         keys = src_spec.keys
-        block_ids = np.asarray(dst_spec.block_ids)[-len(keys):] if keys else np.array([])
         start = time.monotonic()
-        staging = self._staging(len(keys))
-        arr = staging.numpy().view(np.uint8)
-        self.store.load(-job_id - 1, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
-        self.store.drain()
-        for outcome in self.store.finished():
-            if outcome.job_id == -job_id - 1 and not outcome.success:
+        if not keys:
+            self._finish(job_id, 0, start)
+            return True
+        block_ids = np.asarray(dst_spec.block_ids)[-len(keys):]
+        staging = self.staging.acquire(len(keys), self._collect)
+        try:
+            arr = staging.numpy().view(np.uint8)
+            load_id = -job_id - 1  # store and load job ids share the store's namespace
+            self.store.load(load_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
+            while load_id not in self._loaded:
+                self.store.drain()
+                self._collect()
+            outcome = self._loaded.pop(load_id)
+            if not outcome.success:
                 bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
                 raise KvtierLoadError(
                     f"kvtier could not verify {len(bad)} promised block(s), e.g. "
                     f"{self.store.layout.path(bad[0])}; stopping instead of computing on "
                     "unverified KV (was the file deleted or corrupted after the lookup?)")
-        index = torch.as_tensor(block_ids.astype(np.int64))
-        offset = 0
-        for tensor, page in zip(self.tensors, self.pages, strict=True):
-            rows = staging[:, offset:offset + page].to(tensor.device, non_blocking=True)
-            # Rows may be strided (packed blocks): index the tensor itself, never a copy.
-            view = tensor if tensor.dim() == 2 else tensor.flatten(1)
-            view[index.to(tensor.device), :page] = rows
-            offset += page
-        if self.pinned:
-            torch.cuda.current_stream().synchronize()
+            index = torch.as_tensor(block_ids.astype(np.int64))
+            offset = 0
+            for tensor, page in zip(self.tensors, self.pages, strict=True):
+                rows = staging[:, offset:offset + page].to(tensor.device, non_blocking=True)
+                # Rows may be strided (packed blocks): index the tensor itself, never a copy.
+                view = tensor if tensor.dim() == 2 else tensor.flatten(1)
+                view[index.to(tensor.device), :page] = rows
+                offset += page
+            if self.pinned:
+                torch.cuda.current_stream().synchronize()  # staging is reused next
+        finally:
+            self.staging.release(staging)
         self._finish(job_id, len(keys) * self.page_total, start)
         return True
 
@@ -220,8 +271,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                                              transfer_time=time.monotonic() - start))
 
     def get_finished(self) -> list[TransferResult]:
-        for outcome in self.store.finished():  # stores finished writing: release staging
-            self._keep.pop(outcome.job_id, None)
+        self._collect()
         with self._lock:
             out, self._done = self._done, []
         return out
@@ -257,4 +307,6 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        return KvtierOffloadingWorker(_store(self), kv_caches, self.blocks_per_chunk)
+        return KvtierOffloadingWorker(
+            _store(self), kv_caches, self.blocks_per_chunk,
+            max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)))

@@ -49,3 +49,32 @@ def test_manager_announces_only_blocks_that_landed(tmp_path):
         pass
     assert r is LookupResult.MISS
     manager.shutdown()
+
+
+def test_staging_is_reused_and_bounded(tmp_path):
+    import numpy as np
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec, KvtierOffloadingWorker
+    from tests.offload.worker_cases import kv_caches
+
+    caches = kv_caches("per-layer-kv", DTYPES["bf16"], "cpu", num_blocks=64)
+    page = sum(t.page_size_bytes for t in caches.tensors)
+    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=1, write_threads=1)),
+        caches, blocks_per_chunk=1, max_staging_bytes=4 * page)
+    for job in range(12):  # 12 jobs of 4 blocks through a 4-block budget
+        blocks = [4 * (job % 8) + i for i in range(4)]
+        keys = [bytes([job, i]) * 18 for i in range(4)]
+        worker.submit_store(job, GPULoadStoreSpec(blocks, [4], [0]), KvtierLoadStoreSpec(keys))
+        assert worker.staging._held <= 4 * page
+    worker.store.drain()
+    worker.get_finished()
+    assert worker._storing == {}  # every store's buffer came back to the pool
+    assert sum(len(v) for v in worker.staging._free.values()) == 1  # one buffer, reused
+    before = caches.tensors[0].tensor[np.array([0, 1, 2, 3])].clone()
+    keys = [bytes([0, i]) * 18 for i in range(4)]
+    worker.submit_load(100, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([60, 61, 62, 63], [4], [0]))
+    assert (caches.tensors[0].tensor[np.array([60, 61, 62, 63])] == before).all()
+    worker.shutdown()
