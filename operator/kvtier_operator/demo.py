@@ -9,6 +9,7 @@ directory, runs the evictor on it, and feeds the evictor's report back into the 
 from __future__ import annotations
 
 import asyncio
+import base64
 import difflib
 import json
 import os
@@ -180,7 +181,7 @@ async def live(out: Path) -> int:
                     async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}", json=review,
                                             ssl=client_tls) as resp:
                         answer = await resp.json()
-                patch = json.loads(__import__("base64").b64decode(answer["response"]["patch"]))
+                patch = json.loads(base64.b64decode(answer["response"]["patch"]))
                 injected = jsonpatch.apply_patch(pod, patch)
                 print(f"{len(patch)} JSONPatch operations; the pod as written vs as admitted:")
                 print("\n".join(difflib.unified_diff(

@@ -10,7 +10,6 @@ the operator's own periodic loop, not a kopf timer, which would add a finalizer.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -108,21 +107,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.event(*TPC, id="kvtier_cache_registry", registry=registry)
     def observe_cache(type: str | None, body: kopf.Body, **_: Any) -> None:
-        config.caches.observe(type or "ADDED", copy.deepcopy(dict(body)))
-
-    @kopf.index(*TPC, id="kvtier_caches", registry=registry)
-    def kvtier_caches(body: kopf.Body, namespace: str, name: str,
-                      **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-        return {(namespace, name): copy.deepcopy(dict(body))}
+        config.caches.observe(type or "ADDED", dict(body))
 
     state: dict[str, asyncio.Task[None] | None] = {"drift": None}
 
     async def handle(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str,
                      kvtier_pods: kopf.Index, kvtier_evictor_runs: kopf.Index,
-                     kvtier_caches: kopf.Index, **_: Any) -> None:
+                     **_: Any) -> None:
         if state["drift"] is None:  # indexes reach resource handlers, not startup ones
-            state["drift"] = asyncio.create_task(
-                drift_loop(kvtier_caches, kvtier_pods, kvtier_evictor_runs))
+            state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs))
         try:
             outcome = await asyncio.to_thread(
                 run_reconcile, dict(body), gateway(), config, _flatten(kvtier_pods, namespace),
@@ -136,15 +129,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     for cause in ("create", "update", "resume"):
         getattr(kopf.on, cause)(*TPC, id=f"reconcile-on-{cause}", registry=registry)(handle)
 
-    async def drift_loop(kvtier_caches: kopf.Index, kvtier_pods: kopf.Index,
-                         kvtier_evictor_runs: kopf.Index) -> None:
+    async def drift_loop(kvtier_pods: kopf.Index, kvtier_evictor_runs: kopf.Index) -> None:
         while True:
             await asyncio.sleep(config.drift_interval)
-            bodies = _flatten(kvtier_caches)
-            metrics.MANAGED_CACHES.set(len(bodies))
-            for cached in bodies:
-                meta = cached.get("metadata") or {}
-                ns, name = meta.get("namespace", ""), meta.get("name", "")
+            watched = config.caches.names()  # invalid ones get their status from handlers
+            metrics.MANAGED_CACHES.set(len(watched))
+            for ns, name in watched:
                 try:
                     # The index may lag a deletion; act only on what the server has now.
                     body = await asyncio.to_thread(gateway().get_cache, ns, name)
@@ -172,8 +162,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             task.cancel()
 
     @kopf.on.probe(id="managedCaches", registry=registry)
-    def probe_caches(kvtier_caches: kopf.Index, **_: Any) -> int:
-        return len(kvtier_caches)
+    def probe_caches(**_: Any) -> int:
+        return len(config.caches.names())
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

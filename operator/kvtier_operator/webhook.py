@@ -58,6 +58,11 @@ class CacheRegistry:
             else:
                 self._caches.setdefault(ns, {})[name] = parsed
 
+    def names(self) -> list[tuple[str, str]]:
+        """(namespace, name) of every valid resource watched."""
+        with self._lock:
+            return sorted((ns, name) for ns, caches in self._caches.items() for name in caches)
+
     def in_namespace(self, namespace: str) -> list[TieredPrefixCache]:
         with self._lock:
             found = list(self._caches.get(namespace, {}).values())

@@ -18,6 +18,7 @@ vLLM asserts that every worker transfer succeeded, so failures cannot be reporte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -200,7 +201,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         index = torch.as_tensor(block_ids.astype(np.int64))
         offset = 0
         stream = self._stream
-        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())
@@ -281,14 +282,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.store.close()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
