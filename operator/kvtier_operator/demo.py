@@ -133,8 +133,9 @@ async def live(out: Path) -> int:
         try:
             async with sandbox.operator(kmock, ctx, config=config):
                 say(f"1. kubectl apply -f examples/{EXAMPLE}")
+                cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
                 print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
-                      f"{tpc.spec.cpu.size}, shared tier {tpc.spec.storage_backend} on a "
+                      f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
                       f"{tpc.spec.storage.pvc.size} ReadWriteMany claim")
                 doc["metadata"]["uid"] = "demo-uid-1"
                 doc["metadata"]["generation"] = 1

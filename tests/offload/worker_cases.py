@@ -32,6 +32,19 @@ def kv_caches(layout: str, dtype: torch.dtype, device: str, num_blocks: int = 24
     return CanonicalKVCaches(tensors=tensors, group_data_refs=[[]])
 
 
+def finish(worker, job_ids: set[int], timeout: float = 30.0) -> dict[int, bool]:
+    """Poll get_finished() as vLLM does each step until the jobs are reported."""
+    import time
+
+    results: dict[int, bool] = {}
+    deadline = time.monotonic() + timeout
+    while not job_ids <= results.keys():
+        assert time.monotonic() < deadline, f"jobs {job_ids - results.keys()} never finished"
+        results |= {r.job_id: r.success for r in worker.get_finished()}
+        time.sleep(0.001)
+    return results
+
+
 def round_trip(tmp_path, layout: str, dtype: torch.dtype, device: str) -> None:
     import numpy as np
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
@@ -48,12 +61,13 @@ def round_trip(tmp_path, layout: str, dtype: torch.dtype, device: str) -> None:
     before = [t.tensor.clone() for t in caches.tensors]
     assert worker.submit_store(1, GPULoadStoreSpec(src, [len(src)], [0]),
                                KvtierLoadStoreSpec(keys))
-    worker.store.drain()
-    for t in caches.tensors:  # vLLM may reuse the source blocks right away
+    worker.wait({1})  # the source pages are copied: vLLM may reuse the blocks now
+    for t in caches.tensors:
         t.tensor[np.array(src)] = 0
+    results = finish(worker, {1})
     assert worker.submit_load(2, KvtierLoadStoreSpec(keys),
                               GPULoadStoreSpec(dst, [len(dst)], [0]))
-    results = {r.job_id: r.success for r in worker.get_finished()}
+    results |= finish(worker, {2})
     assert results == {1: True, 2: True}
     for t, old in zip(caches.tensors, before, strict=True):
         page = t.page_size_bytes

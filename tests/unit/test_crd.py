@@ -128,7 +128,8 @@ def _schema_defaults(doc: dict) -> dict:
     eviction = {"highWatermark": 85, "lowWatermark": 70, "inodeHighWatermark": 90,
                 "inodeLowWatermark": 80}
     storage = {"mountPath": "/mnt/files-storage"}
-    out = merge(doc, {"spec": {"eviction": {**eviction, **doc["spec"].get("eviction", {})}}})
+    out = merge(doc, {"spec": {"eviction": {**eviction, **doc["spec"].get("eviction", {})},
+                               "connector": doc["spec"].get("connector", "native")}})
     if "storage" in out["spec"]:
         out["spec"]["storage"] = {**storage, **out["spec"]["storage"]}
     return out
@@ -136,7 +137,7 @@ def _schema_defaults(doc: dict) -> dict:
 
 def test_cel_rules_exist_for_cross_field_checks():
     messages = [r["message"] for _, r in _rules(openapi_schema())]
-    assert len(messages) == 6
+    assert len(messages) == 8
 
 
 def test_cel_rules_accept_the_examples():
@@ -155,6 +156,10 @@ def test_cel_rules_accept_the_examples():
         ({"storage": {"mountPath": "relative"}}, "must be an absolute path"),
         ({"selector": {"matchLabels": None}}, "must select something"),
         ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
+        ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
+        ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec.cpu is required unless"),
+        ({"cpu": None, "connector": "lmcache"}, "spec.cpu is required unless"),
+        ({"cpu": None, "storage": {"blockSize": 256}}, "blockSize applies with a CPU tier only"),
     ],
 )
 def test_cel_rules_reject(patch, needle):

@@ -21,7 +21,7 @@ def test_base_is_valid_and_defaults_apply():
     assert s.connector == "native"
     assert s.storage_backend == StorageBackend.kvtier
     assert s.storage.mount_path == "/mnt/files-storage"
-    assert s.storage.block_size == 256
+    assert s.storage.block_size is None and s.storage.file_tokens == 256
     assert s.storage.pvc.access_modes == ["ReadWriteMany"]
     assert s.storage.pvc.delete_policy == "Retain"
     assert (s.eviction.high_watermark, s.eviction.low_watermark) == (85, 70)
@@ -94,7 +94,14 @@ def test_base_is_valid_and_defaults_apply():
         ({"connector": "grpc"}, "spec.connector", "'native' or 'lmcache'"),
         ({"rollout": "Sometimes"}, "spec.rollout", "'Auto' or 'Manual'"),
         ({"cpu": {"sise": "1Gi"}}, "spec.cpu.sise", "unknown field"),
-        ({"cpu": None}, "spec.cpu", "required field is missing"),
+        ({"cpu": None, "storage": None}, "spec", "spec.cpu is required unless kvtier "
+         "offloads straight from GPU memory"),
+        ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec", "add cpu.size, e.g. 100Gi"),
+        ({"cpu": None, "connector": "lmcache", "storage": {"backend": None}}, "spec",
+         "connector native with storage backend kvtier"),
+        ({"cpu": None, "storage": {"blockSize": 256}}, "spec",
+         "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file "
+         "holds one GPU block; remove blockSize"),
         ({"hashSeed": -1}, "spec.hashSeed", "greater than or equal to 0"),
     ],
 )
@@ -103,6 +110,12 @@ def test_rule_names_field_and_fix(patch, field, needle):
     text = messages(doc)
     assert f"{field}: " in text, text
     assert needle in text, text
+
+
+def test_no_cpu_tier_means_gpu_direct():
+    s = parse_tpc(merge(BASE_TPC, {"spec": {"cpu": None}})).spec
+    assert s.gpu_direct and s.cpu_bytes == 0 and s.storage_backend == StorageBackend.kvtier
+    assert not parse_tpc(BASE_TPC).spec.gpu_direct
 
 
 def test_name_too_long_for_cronjob():

@@ -12,6 +12,8 @@ from kvtier_operator.loading import parse_tpc
 from kvtier_operator.quantity import GIB
 from kvtier_operator.render import names, sizing
 from kvtier_operator.render.connector import (
+    KVTIER_SPEC_MODULE,
+    KVTIER_SPEC_NAME,
     KVTIER_TIER_MODULE,
     KVTIER_TIER_TYPE,
     connector_env,
@@ -98,6 +100,19 @@ def test_native_cpu_plus_kvtier():
     }]
 
 
+def test_native_gpu_direct_uses_kvtiers_own_spec():
+    t = tpc({"cpu": None, "storage": {"readThreads": 8, "writeThreads": 4}})
+    assert kv_transfer_config(t) == {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": KVTIER_SPEC_NAME, "spec_module_path": KVTIER_SPEC_MODULE,
+            "root_dir": "/mnt/files-storage", "n_read_threads": 8, "n_write_threads": 4,
+            "max_staging_bytes": sizing.GPU_DIRECT_STAGING_BYTES},
+    }
+    assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
+    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
+
+
 def test_lmcache_cpu():
     t = tpc({"connector": "lmcache", "storage": None, "cpu": {"size": "200G"}})
     assert kv_transfer_config(t) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
@@ -142,6 +157,17 @@ def test_sizing_lmcache_keeps_tier_out_of_shm():
     s = sizing.pod_sizing(spec, None)
     assert s.shm_bytes == 2 * GIB
     assert s.memory_increase_bytes == 103 * GIB
+
+
+def test_sizing_gpu_direct_counts_pinned_staging_not_shm():
+    spec = tpc({"cpu": None}).spec
+    assert sizing.io_buffer_bytes(spec) == 0  # staging rows are written in place
+    s = sizing.pod_sizing(spec, None)
+    assert s.shm_bytes == 2 * GIB  # base only: no tier in /dev/shm
+    assert s.memory_increase_bytes == 2 * GIB + sizing.GPU_DIRECT_STAGING_BYTES + GIB
+    kept = sizing.pod_sizing(spec, 20 * GIB)
+    assert kept.shm_bytes == 20 * GIB
+    assert kept.memory_increase_bytes == sizing.GPU_DIRECT_STAGING_BYTES + GIB
 
 
 def test_router_capacity_from_geometry():
@@ -192,6 +218,21 @@ def test_inject_vllm_fs_has_no_init_container_or_pythonpath():
     c_pod = inject(t, vllm_pod(), CTX).pod
     assert "initContainers" not in c_pod["spec"]
     assert "PYTHONPATH" not in env_of(c_pod["spec"]["containers"][0])
+
+
+def test_inject_gpu_direct_mounts_claim_and_backend_but_no_tier():
+    t = tpc({"cpu": None})
+    c_pod = inject(t, vllm_pod(resources={"requests": {"memory": "100Gi"}}), CTX).pod
+    c = c_pod["spec"]["containers"][0]
+    assert kv_flag(c)["kv_connector_extra_config"]["spec_name"] == KVTIER_SPEC_NAME
+    assert env_of(c)["PYTHONPATH"] == names.SITE_MOUNT
+    assert c["resources"]["requests"]["memory"] == "104Gi"  # staging + shm base + headroom
+    (init,) = c_pod["spec"]["initContainers"]
+    assert init["image"] == "reg/kvtier-offload:1"
+    vols = {v["name"]: v for v in c_pod["spec"]["volumes"]}
+    assert vols[names.VOLUME_SHM]["emptyDir"]["sizeLimit"] == "2Gi"
+    assert vols[names.VOLUME_CACHE]["persistentVolumeClaim"] == {"claimName": "cache-kv-cache"}
+    assert config_hash(t, CTX) != config_hash(tpc(), CTX)
 
 
 def test_inject_cpu_only_mounts_no_claim():
@@ -390,6 +431,16 @@ def test_router_config():
                                  "lruCapacityPerServer": 25600}
     refs = [p["pluginRef"] for p in cfg["schedulingProfiles"][0]["plugins"]]
     assert "cpu-prefix-cache-scorer" in refs and "gpu-prefix-cache-scorer" in refs
+
+
+def test_router_config_without_cpu_tier_scores_gpu_only():
+    cfg = endpoint_picker_config(tpc({"cpu": None, "router": {"enabled": True}}))
+    names_ = {p.get("name") or p["type"] for p in cfg["plugins"]}
+    assert not any(n.startswith("cpu-") for n in names_)
+    refs = [p["pluginRef"] for p in cfg["schedulingProfiles"][0]["plugins"]]
+    assert refs == ["queue-scorer", "kv-cache-utilization-scorer", "gpu-prefix-cache-scorer",
+                    "no-hit-lru-scorer"]
+    assert set(refs) <= names_
 
 
 def test_render_objects_orders_and_filters():

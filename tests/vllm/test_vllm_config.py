@@ -17,6 +17,7 @@ VARIANTS = {
     "native-cpu": {"storage": None},
     "native-vllm-fs": {"storage": {"backend": "vllm-fs"}},
     "native-kvtier": {"storage": {"backend": "kvtier"}},
+    "native-gpu-direct": {"cpu": None, "storage": {"backend": "kvtier"}},
     "lmcache-cpu": {"connector": "lmcache", "storage": None},
     "lmcache-disk": {"connector": "lmcache"},
 }
@@ -48,18 +49,19 @@ def test_vllm_cli_rejects_broken_json(parser):
         parser.parse_args(["--model", "m", "--kv-transfer-config", '{"kv_connector":'])
 
 
-@pytest.mark.parametrize("variant", ["native-cpu", "native-vllm-fs"])
-def test_vllm_offloading_spec_resolves_spec_and_tiers(variant):
+@pytest.mark.parametrize(("variant", "expected"), [
+    ("native-cpu", "CPUOffloadingSpec"), ("native-vllm-fs", "TieringOffloadingSpec"),
+    ("native-kvtier", "TieringOffloadingSpec"), ("native-gpu-direct", "KvtierOffloadingSpec")])
+def test_vllm_offloading_spec_resolves_spec_and_tiers(variant, expected):
     """vLLM's factory picks the spec class and, for tiering, resolves every tier class."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     extra = json.loads(kv_transfer_json(parse_tpc(tpc_doc(VARIANTS[variant]))))[
         "kv_connector_extra_config"]
     spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
-    expected = "TieringOffloadingSpec" if "secondary_tiers" in extra else "CPUOffloadingSpec"
     assert spec_cls.__name__ == expected
-    metrics = spec_cls.build_metric_definitions(extra)
-    assert metrics
+    metrics = spec_cls.build_metric_definitions(extra)  # resolves every tier class
+    assert metrics or expected == "KvtierOffloadingSpec"  # kvtier's metrics are its own
 
 
 def test_vllm_rejects_unknown_tier_type():

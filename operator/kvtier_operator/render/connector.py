@@ -12,6 +12,9 @@ from kvtier_operator.render import sizing
 # package (sidecar/kvtier_offload/vllm_tier.py defines it).
 KVTIER_TIER_TYPE = "KvtierStorageTier"
 KVTIER_TIER_MODULE = "kvtier_offload.vllm_tier"
+# Without a CPU tier: kvtier's own OffloadingSpec (sidecar/kvtier_offload/vllm_spec.py).
+KVTIER_SPEC_NAME = "KvtierOffloadingSpec"
+KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
 LMCACHE_DISK_DIR = "lmcache"
 
 
@@ -19,10 +22,22 @@ def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:
     spec = tpc.spec
     if spec.connector == Connector.lmcache:
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    extra: dict[str, Any] = {"cpu_bytes_to_use": spec.cpu.bytes}
     storage = spec.storage
     backend = spec.storage_backend
-    if storage is not None and backend is not None:
+    extra: dict[str, Any]
+    if spec.gpu_direct:
+        assert storage is not None  # the model requires the kvtier shared tier
+        extra = {
+            "spec_name": KVTIER_SPEC_NAME,
+            "spec_module_path": KVTIER_SPEC_MODULE,
+            "root_dir": storage.mount_path,
+            "n_read_threads": storage.read_threads,
+            "n_write_threads": storage.write_threads,
+            "max_staging_bytes": sizing.GPU_DIRECT_STAGING_BYTES,
+        }
+    else:
+        extra = {"cpu_bytes_to_use": spec.cpu_bytes}
+    if storage is not None and backend is not None and not spec.gpu_direct:
         tier: dict[str, Any]
         if backend == StorageBackend.vllm_fs:
             tier = {"type": "fs"}
@@ -36,7 +51,7 @@ def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:
         extra = {
             "spec_name": "TieringOffloadingSpec",
             **extra,
-            "block_size": storage.block_size,
+            "block_size": storage.file_tokens,
             "secondary_tiers": [tier],
         }
     return {
@@ -60,5 +75,5 @@ def connector_env(tpc: TieredPrefixCache) -> dict[str, str]:
         if spec.storage is not None:
             env["LMCACHE_LOCAL_DISK"] = f"file://{spec.storage.mount_path}/{LMCACHE_DISK_DIR}/"
             env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = str(sizing.lmcache_disk_gb(spec))
-            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.block_size)
+            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.file_tokens)
     return env

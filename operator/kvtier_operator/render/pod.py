@@ -56,7 +56,7 @@ def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
         "format": FORMAT_VERSION,
         "kvTransferConfig": kv_transfer_config(tpc),
         "env": connector_env(tpc),
-        "cpu": spec.cpu.bytes,
+        "cpu": spec.cpu_bytes,
         "claim": names.claim_name(tpc),
         "mountPath": spec.storage.mount_path if spec.storage else None,
         "sidecarImage": ctx.sidecar_image if spec.storage_backend == StorageBackend.kvtier

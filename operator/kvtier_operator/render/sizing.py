@@ -16,6 +16,9 @@ SHM_BASE_BYTES = 2 * GIB
 # Process memory beyond the tier itself: block tables, page tables, Python objects.
 PROCESS_HEADROOM_BYTES = 1 * GIB
 GB = 10**9  # LMCache sizes are in decimal GB
+# Without a CPU tier: the pinned staging buffers of kvtier's offloading worker (its
+# max_staging_bytes), which hold the KV pages of the transfers in flight.
+GPU_DIRECT_STAGING_BYTES = 1 * GIB
 
 
 @dataclass(frozen=True)
@@ -26,13 +29,14 @@ class PodSizing:
 
 def chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Bytes of one offloaded file's KV payload (storage.blockSize tokens)."""
-    block = spec.storage.block_size if spec.storage else 16
+    block = spec.storage.file_tokens if spec.storage else 16
     return block * spec.model.bytes_per_token
 
 
 def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
-    """Bounce buffers of the kvtier backend: one chunk per I/O thread."""
-    if spec.storage_backend != StorageBackend.kvtier:
+    """Bounce buffers of the kvtier backend: one chunk per I/O thread. Without a CPU tier
+    the worker's aligned staging rows are written and read in place: none."""
+    if spec.storage_backend != StorageBackend.kvtier or spec.gpu_direct:
         return 0
     assert spec.storage is not None
     threads = spec.storage.read_threads + spec.storage.write_threads
@@ -42,9 +46,13 @@ def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
 def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None) -> PodSizing:
     """Sizes for one pod; existing_shm_bytes is the sizeLimit of a /dev/shm emptyDir the
     pod already has (0 for one without a limit is treated as none)."""
-    cpu = spec.cpu.bytes
+    cpu = spec.cpu_bytes
     before = existing_shm_bytes or 0
-    if spec.connector == Connector.native:
+    if spec.gpu_direct:
+        # Nothing in /dev/shm: the worker's staging is pinned process memory.
+        shm = before or SHM_BASE_BYTES
+        increase = GPU_DIRECT_STAGING_BYTES + (shm - before) + PROCESS_HEADROOM_BYTES
+    elif spec.connector == Connector.native:
         # vLLM's CPU tier is an mmap in /dev/shm: it grows by exactly the tier.
         shm = round_up(before + cpu if before else cpu + SHM_BASE_BYTES, MIB)
         increase = (shm - before) + PROCESS_HEADROOM_BYTES + io_buffer_bytes(spec)
@@ -57,11 +65,11 @@ def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None) -> P
 
 def router_lru_capacity(spec: TieredPrefixCacheSpec) -> int:
     """Router blocks the CPU tier of one replica holds (EPP lruCapacityPerServer)."""
-    return spec.cpu.bytes // (spec.model.bytes_per_token * spec.router.block_size)
+    return spec.cpu_bytes // (spec.model.bytes_per_token * spec.router.block_size)
 
 
 def lmcache_cpu_gb(spec: TieredPrefixCacheSpec) -> float:
-    return round(spec.cpu.bytes / GB, 3)
+    return round(spec.cpu_bytes / GB, 3)
 
 
 def lmcache_disk_gb(spec: TieredPrefixCacheSpec) -> float:
