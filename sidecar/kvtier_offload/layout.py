@@ -17,14 +17,19 @@ import os
 import secrets
 from typing import Any
 
+from kvtier_offload.fileformat import VERSION
+
 FORMAT_DIR = os.path.join("kvtier", "v1")
 SUFFIX = ".kvb"
 DIR_MODE = 0o2775  # group-writable + setgid: an evictor with the pods' fsGroup may delete
 
 
 def fingerprint(config: dict[str, Any]) -> str:
-    """16 hex digits identifying everything that makes two caches incompatible."""
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    """16 hex digits identifying everything that makes two caches incompatible, the
+    block file format included (a new format starts a new directory; the evictor ages
+    the old one out)."""
+    canonical = json.dumps({**config, "file_format": VERSION}, sort_keys=True,
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

@@ -133,13 +133,18 @@ def _corrupt(path: str, how: str) -> None:
         raw = bytearray()
     elif how == "foreign-key":
         raw[: HEADER_SIZE] = encode_header(FP, b"\x99" * 36, len(raw) - HEADER_SIZE,
-                                            struct.unpack_from("<I", raw, 24)[0])
+                                            struct.unpack_from("<Q", raw, 24)[0])
+    elif how == "pages-swapped":  # a torn or misdirected write: same bytes, wrong order
+        a, b = HEADER_SIZE, HEADER_SIZE + 4096
+        raw[a:b], raw[b:b + 4096] = raw[b:b + 4096], raw[a:b]
+    elif how == "version-1":  # written by an older kvtier with another payload checksum
+        struct.pack_into("<H", raw, 4, 1)
     with open(path, "wb") as f:
         f.write(raw)
 
 
 @pytest.mark.parametrize("how", ["truncated", "zero-filled", "payload-flip", "header-flip",
-                                 "empty", "foreign-key"])
+                                 "empty", "foreign-key", "pages-swapped", "version-1"])
 def test_bad_files_are_refused_removed_and_counted(make_store, how):
     store = make_store()
     ks, src = keys(3), rows(3, SIZE, seed=3)
@@ -357,3 +362,12 @@ def test_short_writes_are_resumed(make_store, monkeypatch):
     dest = rows(1, SIZE, seed=22)
     assert run_load(store, 2, list(zip(ks, dest))).success
     assert bytes(dest[0]) == bytes(src[0])
+
+
+def test_a_new_file_format_gets_its_own_directory(monkeypatch):
+    from kvtier_offload import layout
+
+    config = {"model": "m", "dtype": "bfloat16"}
+    now = layout.fingerprint(config)
+    monkeypatch.setattr(layout, "VERSION", layout.VERSION + 1)
+    assert layout.fingerprint(config) != now
