@@ -53,7 +53,7 @@ class StoreConfig:
     # a device or network; one per core where they complete at memory speed).
     active_io: int = 0
     fsync: bool = False  # fdatasync before publishing (durability over throughput)
-    free_space_floor_percent: float = 2.0  # refuse writes below this much free space
+    free_space_floor_percent: float = 2.0  # refuse writes below this much free space; 0: off
     write_queue_seconds: float = 10.0  # drop stores that would wait longer than this
     lookup_hit_ttl: float = 10.0
     lookup_miss_ttl: float = 1.0
@@ -381,6 +381,8 @@ class BlockStore:
         """Whether writing size more bytes keeps the volume above its free-space floor.
         statvfs is re-read at most once a second, or every time near the floor; bytes
         written meanwhile are reserved against it, so a burst cannot overshoot."""
+        if self.cfg.free_space_floor_percent <= 0:
+            return True  # no floor: the write itself finds out (ENOSPC backs off)
         now = time.monotonic()
         with self._lock:
             checked_at, free, floor = self._free_checked
