@@ -177,6 +177,11 @@ class _Transfer:
     started: float = field(default_factory=time.monotonic)
     fence: Any = None
 
+    def items(self) -> list[tuple[bytes, memoryview]]:
+        """(key, staging row) pairs for the block store."""
+        arr = self.staging.numpy().view(np.uint8)
+        return [(k, memoryview(arr[i])) for i, k in enumerate(self.keys)]
+
 
 class KvtierOffloadingWorker(OffloadingWorker):
     """Copies whole KV pages (every canonical tensor's page of a block) to one file.
@@ -264,34 +269,34 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ jobs
 
+    def _begin(self, job_id: int, files: LoadStoreSpec,
+               blocks: GPULoadStoreSpec) -> _Transfer | None:
+        """A transfer with its staging buffer, or None (reported done) for no files."""
+        assert isinstance(files, KvtierLoadStoreSpec)
+        if not files.keys:
+            self._report(job_id, 0, time.monotonic())
+            return None
+        # The first chunk may be partial: the files match the last block ids.
+        block_ids = np.asarray(blocks.block_ids)[-len(files.keys):]
+        staging = self.staging.acquire(len(files.keys), self._progress)
+        return _Transfer(job_id, files.keys, block_ids, staging)
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KvtierLoadStoreSpec)
-        keys = dst_spec.keys
-        if not keys:
-            self._report(job_id, 0, time.monotonic())
-            return True
-        block_ids = np.asarray(src_spec.block_ids)[-len(keys):]
-        staging = self.staging.acquire(len(keys), self._progress)
-        transfer = _Transfer(job_id, keys, block_ids, staging)
-        transfer.fence = self._gather(block_ids, staging)
-        self._copying_out[job_id] = transfer
-        self._progress()
+        transfer = self._begin(job_id, dst_spec, src_spec)
+        if transfer is not None:
+            transfer.fence = self._gather(transfer.block_ids, transfer.staging)
+            self._copying_out[job_id] = transfer
+            self._progress()
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
-        assert isinstance(src_spec, KvtierLoadStoreSpec)
-        keys = src_spec.keys
-        if not keys:
-            self._report(job_id, 0, time.monotonic())
-            return True
-        block_ids = np.asarray(dst_spec.block_ids)[-len(keys):]
-        staging = self.staging.acquire(len(keys), self._progress)
-        load_id = -job_id - 1  # store and load job ids share the store's namespace
-        self._io[load_id] = _Transfer(job_id, keys, block_ids, staging)
-        arr = staging.numpy().view(np.uint8)
-        self.store.load(load_id, [(k, memoryview(arr[i])) for i, k in enumerate(keys)])
+        transfer = self._begin(job_id, src_spec, dst_spec)
+        if transfer is not None:
+            load_id = -job_id - 1  # store and load job ids share the store's namespace
+            self._io[load_id] = transfer
+            self.store.load(load_id, transfer.items())
         return True
 
     def _progress(self, block_on: Collection[int] = ()) -> None:
@@ -302,8 +307,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             if self._fired(t, job_id in block_on):
                 del self._copying_out[job_id]
                 self._io[job_id] = t
-                arr = t.staging.numpy().view(np.uint8)
-                self.store.store(job_id, [(k, memoryview(arr[i])) for i, k in enumerate(t.keys)])
+                self.store.store(job_id, t.items())
         while True:
             waiting = {-j - 1 for j in block_on} & self._io.keys()
             if waiting:
