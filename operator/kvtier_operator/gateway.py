@@ -164,6 +164,13 @@ class Gateway:
                  if (e.get("involvedObject") or {}).get("name") == name]
         return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
 
+    def pod_identities(self, namespace: str, selector: str) -> set[tuple[str, str]]:
+        """(name, uid) of every pod the server has in namespace matching selector."""
+        data = self._call(f"pods in {namespace}", self.core.list_namespaced_pod, namespace,
+                          label_selector=selector)
+        metas = [item.get("metadata") or {} for item in data.get("items", [])]
+        return {(m.get("name", ""), m.get("uid", "")) for m in metas}
+
     def get_custom(self, group: str, version: str, plural: str, namespace: str,
                    name: str) -> dict[str, Any] | None:
         try:

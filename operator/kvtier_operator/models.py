@@ -146,6 +146,16 @@ class LabelSelector(ApiModel):
             )
         return self
 
+    def query(self) -> str:
+        """The selector in the API's labelSelector syntax."""
+        terms = [f"{k}={v}" for k, v in sorted((self.match_labels or {}).items())]
+        for req in self.match_expressions or []:
+            values = ",".join(req.values or [])
+            terms.append({"In": f"{req.key} in ({values})",
+                          "NotIn": f"{req.key} notin ({values})",
+                          "Exists": req.key, "DoesNotExist": f"!{req.key}"}[req.operator])
+        return ",".join(terms)
+
     def matches(self, labels: dict[str, str]) -> bool:
         for key, value in (self.match_labels or {}).items():
             if labels.get(key) != value:

@@ -14,6 +14,7 @@ from kvtier_operator.render import names
 class PodView:
     namespace: str
     name: str
+    uid: str  # "" where the server gave none; a recreated pod keeps its name, not its uid
     labels: tuple[tuple[str, str], ...]
     cache: str | None  # the kvtier.dev/cache annotation
     config_hash: str | None
@@ -24,6 +25,10 @@ class PodView:
     @property
     def label_dict(self) -> dict[str, str]:
         return dict(self.labels)
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return self.name, self.uid
 
     @property
     def opted_out(self) -> bool:
@@ -38,6 +43,7 @@ def pod_view(body: dict[str, Any]) -> PodView:
     return PodView(
         namespace=meta.get("namespace", ""),
         name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
         labels=tuple(sorted((meta.get("labels") or {}).items())),
         cache=annotations.get(names.ANNOTATION_CACHE),
         config_hash=annotations.get(names.ANNOTATION_CONFIG_HASH),

@@ -184,6 +184,12 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
                                 names.router_configmap_name(tpc), events)
     digest = config_hash(tpc, ctx)
     counts = count_pods(tpc, pods, digest)
+    if counts.pending:
+        # kopf's pod index keeps a pod whose deletion it never saw (a watch restarted across
+        # it): report, and restart workloads for, only the pods the server still has.
+        live = gw.pod_identities(tpc.namespace, tpc.spec.selector.query())
+        pods = [p for p in pods if p.namespace != tpc.namespace or p.identity in live]
+        counts = count_pods(tpc, pods, digest)
     injected = injected_condition(counts, conflicts or [])
     if counts.pending and tpc.spec.rollout == RolloutPolicy.Auto and not conflicts:
         pending = [p for p in pods if p.namespace == tpc.namespace and p.name in counts.pending]

@@ -138,3 +138,23 @@ async def test_manual_only_reports(kmock):
     for resource, name in (("apps/v1/deployments", "alpha"), ("apps/v1/deployments", "beta"),
                            ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "gamma")):
         assert restarted(kmock, resource, name) is None
+
+
+async def test_a_deletion_the_watch_missed_does_not_hold_the_rollout(kmock):
+    """kmock (like a real watch restarted across a deletion) can drop a DELETED event;
+    kopf's index then keeps the pod. The server's own list decides."""
+    seed_world(kmock, "Auto")
+    for name in ("alpha", "beta"):
+        del kmock.objects["apps/v1/deployments", NS, name]
+        del kmock.objects["v1/pods", NS, f"{name}-5d8f-0"]
+    digest = config_hash(parse_tpc(doc("Auto")), CTX)
+    lws = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+    async with operator(kmock, drift_interval=0.2):
+        await until(lambda: restarted(kmock, lws, "gamma") == digest, what="gamma restarted")
+        kmock.objects["v1/pods", NS, "gamma-0-0"].delete()  # gone, and no event says so
+        new = pod("gamma-0-0-new", "StatefulSet", "gamma-0",
+                  {names.ANNOTATION_CACHE: "cache", names.ANNOTATION_CONFIG_HASH: digest})
+        kmock.objects["v1/pods", NS, "gamma-0-0-new"] = new
+        await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected")["reason"]
+                    == "AllInjected", what="all injected")
+    assert obj(kmock, TPC, NS, "cache")["status"]["pendingPods"] == 0

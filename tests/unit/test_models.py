@@ -164,6 +164,19 @@ def test_selector_matching():
     assert not sel.matches({"role": "decode", "tier": "a", "skip": "1"})
 
 
+def test_selector_query_in_the_api_syntax():
+    from kvtier_operator.models import LabelSelector
+
+    sel = LabelSelector.model_validate({
+        "matchLabels": {"role": "decode", "app": "vllm"},
+        "matchExpressions": [{"key": "tier", "operator": "In", "values": ["a", "b"]},
+                             {"key": "zone", "operator": "NotIn", "values": ["x"]},
+                             {"key": "gpu", "operator": "Exists"},
+                             {"key": "skip", "operator": "DoesNotExist"}],
+    })
+    assert sel.query() == "app=vllm,role=decode,tier in (a,b),zone notin (x),gpu,!skip"
+
+
 def test_selector_with_empty_match_labels_is_refused():
     doc = tpc_doc()
     doc["spec"]["selector"] = {"matchLabels": {}}

@@ -14,6 +14,7 @@ from kvtier_operator.loading import parse_tpc
 from kvtier_operator.observe import pod_view
 from kvtier_operator.reconcile import reconcile
 from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.pod import config_hash
 from kvtier_operator.status import Cond, conditions
 from tests.helpers import tpc_doc
 
@@ -61,6 +62,11 @@ class FakeGateway:
 
     def events_for(self, ns, kind, name):
         return []
+
+    def pod_identities(self, ns, selector):
+        self.calls.append(("list", "Pod", selector))
+        return {(o["metadata"]["name"], o["metadata"].get("uid", ""))
+                for (kind, pns, _), o in self.store.items() if kind == "Pod" and pns == ns}
 
     def collect_garbage(self, uid: str) -> list[str]:
         """What Kubernetes' garbage collector does once the owner is gone."""
@@ -174,6 +180,50 @@ def test_pod_view_reads_what_counting_needs():
                                   "deletionTimestamp": "now"},
                      "status": {"phase": "Running"}})
     assert view.config_hash == "h" and view.owner_kind == "ReplicaSet" and not view.active
+
+
+def decode_pod(name, uid, config_hash=None):
+    annotations = {"kvtier.dev/cache": "cache", "kvtier.dev/config-hash": config_hash} \
+        if config_hash else {}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "uid": uid,
+                         "labels": {"llm-d.ai/role": "decode"}, "annotations": annotations},
+            "status": {"phase": "Running"}}
+
+
+def test_pods_the_server_no_longer_has_are_neither_pending_nor_restarted():
+    gw = FakeGateway()
+    doc = body({"rollout": "Auto", "storage": None})
+    digest = config_hash(parse_tpc(doc), CTX)
+    live = decode_pod("decode-1", "uid-b", digest)
+    recreated = decode_pod("decode-0", "uid-new", digest)  # same name, new pod
+    for p in (live, recreated):
+        gw.store["Pod", "ml", p["metadata"]["name"]] = p
+    # The index still holds decode-0's old, stale incarnation and a pod deleted unseen.
+    index = [pod_view(p) for p in (decode_pod("decode-0", "uid-old"), decode_pod("gone", "g"),
+                                   live, recreated)]
+    outcome = run(gw, doc, index)
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
+    assert outcome.status["pendingPods"] == 0 and outcome.status["injectedPods"] == 2
+    assert ("list", "Pod", "llm-d.ai/role=decode") in gw.calls
+
+
+def test_pending_pods_the_server_has_stay_pending():
+    gw = FakeGateway()
+    doc = body({"storage": None})
+    stale = decode_pod("decode-0", "uid-a")
+    gw.store["Pod", "ml", "decode-0"] = stale
+    outcome = run(gw, doc, [pod_view(stale)])
+    assert outcome.status["pendingPods"] == 1
+
+
+def test_no_listing_when_nothing_is_pending():
+    gw = FakeGateway()
+    doc = body({"storage": None})
+    ok = decode_pod("decode-0", "uid-a", config_hash(parse_tpc(doc), CTX))
+    run(gw, doc, [pod_view(ok)])
+    assert not [c for c in gw.calls if c[0] == "list"]
 
 
 # ----------------------------------------------------------- the gateway
