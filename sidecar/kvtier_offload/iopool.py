@@ -3,10 +3,9 @@
 Read-preferring threads take loads first (a load blocks a request); write-preferring
 threads take stores first; each steals from the other queue when its own is empty.
 
-`active` caps how many tasks run at once. Many threads pay off where each file waits on
-a device or a network; where files complete at memory speed the work is CPU, and more
-Python threads than cores only trade the GIL back and forth. Under a cap every thread
-takes reads first, so loads still go ahead of stores.
+Many threads pay off where each file waits on a device or a network; where files complete
+at memory speed the work is CPU, and the store starts one read-preferring thread per core
+instead (more only trade the GIL back and forth).
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ Task = Callable[[], None]
 
 
 class IOPool:
-    def __init__(self, read_threads: int, write_threads: int, name: str = "kvtier-io",
-                 active: int | None = None) -> None:
+    def __init__(self, read_threads: int, write_threads: int, name: str = "kvtier-io") -> None:
         self._reads: deque[Task] = deque()
         self._writes: deque[Task] = deque()
         self._cv = threading.Condition()
@@ -31,8 +29,6 @@ class IOPool:
             for prefer_reads, count in ((True, read_threads), (False, write_threads))
             for i in range(max(count, 1 if prefer_reads else 0))
         ]
-        self.active_limit = min(active or len(self._threads), len(self._threads))
-        self._running = 0
         for t in self._threads:
             t.start()
 
@@ -50,36 +46,23 @@ class IOPool:
     def queued_writes(self) -> int:
         return len(self._writes)
 
-    def _order(self, prefer_reads: bool) -> tuple[deque[Task], deque[Task]]:
-        """The queues a thread serves, first choice first."""
-        capped = self.active_limit < len(self._threads)
-        if prefer_reads or capped:
-            return self._reads, self._writes
-        return self._writes, self._reads
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
     def _next(self, prefer_reads: bool) -> Task | None:
-        first, second = self._order(prefer_reads)
+        first, second = (self._reads, self._writes) if prefer_reads else (
+            self._writes, self._reads)
         with self._cv:
-            while (not first and not second) or self._running >= self.active_limit:
-                if self._closed and not first and not second:
+            while not first and not second:
+                if self._closed:
                     return None
                 self._cv.wait()
-            self._running += 1
             return (first or second).popleft()
 
     def _work(self, prefer_reads: bool) -> None:
         while (task := self._next(prefer_reads)) is not None:
-            try:
-                task()  # tasks handle their own errors; the pool must never lose a thread
-            finally:
-                with self._cv:
-                    self._running -= 1
-                    # A freed slot serves one waiter; after close() every waiter must
-                    # wake to see whether it is done.
-                    if self._closed:
-                        self._cv.notify_all()
-                    else:
-                        self._cv.notify()
+            task()  # tasks handle their own errors; the pool must never lose a thread
 
     def close(self) -> None:
         """Finish what is queued, then stop the threads."""

@@ -49,9 +49,9 @@ class StoreConfig:
     read_threads: int = 16
     write_threads: int = 16
     o_direct: str = "auto"  # auto: probe once; on; off
-    # Tasks running at once: 0 probes the volume (as many as threads where files wait on
-    # a device or network; one per core where they complete at memory speed).
-    active_io: int = 0
+    # I/O threads at most: 0 probes the volume (read_threads + write_threads where files
+    # wait on a device or network; one per core where they complete at memory speed).
+    io_threads: int = 0
     fsync: bool = False  # fdatasync before publishing (durability over throughput)
     free_space_floor_percent: float = 2.0  # refuse writes below this much free space; 0: off
     write_queue_seconds: float = 10.0  # drop stores that would wait longer than this
@@ -198,11 +198,14 @@ class BlockStore:
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
         self._logged: set[str] = set()
         self._closed = False
-        active = config.active_io
-        if not active and probe_memory_speed(self.layout.base, self.o_direct):
-            active = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        limit = config.io_threads
+        if not limit and probe_memory_speed(self.layout.base, self.o_direct):
+            limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                 os.cpu_count() or 1)
-        self._pool = IOPool(config.read_threads, config.write_threads, active=active or None)
+        reads, writes = config.read_threads, config.write_threads
+        if limit and limit < reads + writes:
+            reads, writes = limit, 0  # every thread then takes loads before stores
+        self._pool = IOPool(reads, writes)
         self._lookup_thread = threading.Thread(target=self._lookup_loop, daemon=True,
                                                name="kvtier-lookup")
         self._lookup_thread.start()
