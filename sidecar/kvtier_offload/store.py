@@ -154,13 +154,12 @@ def probe_memory_speed(directory: str, o_direct: bool) -> bool:
                 os.readv(fd, [buf])
             finally:
                 os.close(fd)
-            os.unlink(path)
         return (time.perf_counter() - start) / (2 * len(paths)) < MEMORY_SPEED_SECONDS
     except OSError:
         return False  # cannot tell (read-only, full): keep every thread
     finally:
         buf.close()
-        for path in paths:
+        for path in paths:  # the probe's files go whether it finished or not
             try:
                 os.unlink(path)
             except OSError:
