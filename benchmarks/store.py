@@ -1,7 +1,7 @@
 """Block store vs vLLM 0.32's built-in fs tier I/O vs the raw device, in one run.
 
 Same directory, same block sizes, same total thread count, O_DIRECT wherever the
-filesystem takes it (both probe it). kvtier computes and verifies a BLAKE3 digest per block;
+filesystem takes it (both probe it). kvtier computes and verifies a 64-bit digest per block;
 vLLM's tier (its fs_io_C extension where built) writes and reads raw bytes. The raw
 device figure is one sequential O_DIRECT stream over one file, no per-block files.
 """

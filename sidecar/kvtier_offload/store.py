@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier_offload import digest as payload_digest
+from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import (
     HEADER_SIZE,
     BadBlock,
-    checksum,
     decode_header,
     encode_header,
     padded,
@@ -177,6 +178,9 @@ class BlockStore:
             # A read-only or full volume must not stop vLLM: stores fail, lookups miss.
             log.warning("kvtier cannot create %s (%s); every store will fail and every "
                         "lookup miss until it can", self.layout.base, err)
+        if not payload_digest.COMPILED:
+            log.warning("kvtier: numba is not usable here (%s); block digests run in numpy, "
+                        "several times slower", payload_digest.UNCOMPILED_REASON)
         if config.o_direct == "auto":
             self.o_direct = probe_o_direct(self.layout.base)
         else:
@@ -455,7 +459,7 @@ class BlockStore:
         return True
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
-        header = encode_header(self.layout.fingerprint, key, len(data), checksum(data))
+        header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
         tmp = self.layout.temp_path(key)
         directory = os.path.dirname(path)
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
@@ -590,7 +594,7 @@ class BlockStore:
                 got = self._read_all(fd, [memoryview(buf)[:total]])
                 if got < HEADER_SIZE + size:
                     raise BadBlock("truncated", f"read {got} bytes")
-                digest = decode_header(memoryview(buf)[:HEADER_SIZE],
+                expected = decode_header(memoryview(buf)[:HEADER_SIZE],
                                        self.layout.fingerprint, key, size)
                 dest[:] = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + size]
             else:
@@ -599,8 +603,8 @@ class BlockStore:
                 got = self._read_all(fd, [header_view, dest])
                 if got < HEADER_SIZE + size:
                     raise BadBlock("truncated", f"read {got} bytes")
-                digest = decode_header(header_view, self.layout.fingerprint, key, size)
-            if checksum(dest) != digest:
+                expected = decode_header(header_view, self.layout.fingerprint, key, size)
+            if digest(dest) != expected:
                 raise BadBlock("bad-checksum", "payload checksum mismatch")
         finally:
             os.close(fd)

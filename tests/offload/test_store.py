@@ -137,14 +137,14 @@ def _corrupt(path: str, how: str) -> None:
     elif how == "pages-swapped":  # a torn or misdirected write: same bytes, wrong order
         a, b = HEADER_SIZE, HEADER_SIZE + 4096
         raw[a:b], raw[b:b + 4096] = raw[b:b + 4096], raw[a:b]
-    elif how == "version-1":  # written by an older kvtier with another payload checksum
-        struct.pack_into("<H", raw, 4, 1)
+    elif how == "version-2":  # written by an older kvtier with another payload digest
+        struct.pack_into("<H", raw, 4, 2)
     with open(path, "wb") as f:
         f.write(raw)
 
 
 @pytest.mark.parametrize("how", ["truncated", "zero-filled", "payload-flip", "header-flip",
-                                 "empty", "foreign-key", "pages-swapped", "version-1"])
+                                 "empty", "foreign-key", "pages-swapped", "version-2"])
 def test_bad_files_are_refused_removed_and_counted(make_store, how):
     store = make_store()
     ks, src = keys(3), rows(3, SIZE, seed=3)

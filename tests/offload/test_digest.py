@@ -1,0 +1,79 @@
+"""The payload digest: the compiled and numpy paths agree, and it sees what a checksum
+of KV blocks must see."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier_offload import digest as dg
+from kvtier_offload.digest import digest
+
+SIZES = [0, 1, 7, 8, 9, 255, 256, 257, 4095, 4096, 4097, 8192, 65536 + 13, 256 << 10,
+         (1 << 20) + 4]
+
+
+@pytest.mark.skipif(not dg.COMPILED, reason="numba not importable here")
+@pytest.mark.parametrize("size", SIZES)
+def test_compiled_and_numpy_paths_agree(size):
+    data = np.random.default_rng(size).bytes(size)
+    assert digest(data, compiled=True) == digest(data, compiled=False)
+
+
+@pytest.mark.skipif(not dg.COMPILED, reason="numba not importable here")
+def test_compiled_path_releases_the_gil():
+    # The I/O threads hash in parallel only because the machine code drops the GIL.
+    assert dg._compiled.targetoptions["nogil"] is True
+
+
+def test_digest_is_pinned_by_the_file_format():
+    # These values are part of block file format 3: a change here needs a new VERSION.
+    pattern = bytes(range(256)) * 1100 + b"kvtier"
+    assert digest(b"") == 0x1E955535A69DE3A0
+    assert digest(pattern) == 0x6B95D350CF24389B
+    assert digest(pattern, compiled=False) == 0x6B95D350CF24389B
+
+
+def test_any_address_and_buffer_type_give_the_same_digest():
+    data = np.random.default_rng(3).bytes(70_000)
+    shifted = memoryview(bytearray(b"?" + data))[1:]  # not 8-byte aligned
+    assert digest(shifted) == digest(data) == digest(bytearray(data))
+
+
+def _variants(data: bytes) -> dict[str, bytes]:
+    raw = bytearray(data)
+    out = {}
+    for pos in (0, 7, 255, 4096, len(raw) // 2, len(raw) - 1):
+        for bit in (0, 3, 7):
+            flipped = bytearray(raw)
+            flipped[pos] ^= 1 << bit
+            out[f"bit {bit} of byte {pos}"] = bytes(flipped)
+    swapped = bytearray(raw)  # two stripes of one group trade places
+    swapped[0:256], swapped[256:512] = raw[256:512], raw[0:256]
+    out["stripes swapped"] = bytes(swapped)
+    pages = bytearray(raw)  # two pages in different groups trade places
+    pages[0:4096], pages[8192:12288] = raw[8192:12288], raw[0:4096]
+    out["pages swapped"] = bytes(pages)
+    zeroed = bytearray(raw)
+    zeroed[4096:8192] = bytes(4096)
+    out["page zeroed"] = bytes(zeroed)
+    out["truncated by a word"] = bytes(raw[:-8])
+    out["zero word appended"] = bytes(raw) + bytes(8)
+    out["all zero"] = bytes(len(raw))
+    return out
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_every_kind_of_damage_changes_the_digest(compiled):
+    if compiled and not dg.COMPILED:
+        pytest.skip("numba not importable here")
+    data = np.random.default_rng(11).bytes(64 << 10)
+    want = digest(data, compiled=compiled)
+    changed = {name: digest(v, compiled=compiled) != want
+               for name, v in _variants(data).items()}
+    assert all(changed.values()), [name for name, ok in changed.items() if not ok]
+
+
+def test_zero_pages_at_different_offsets_differ():
+    # A block of zeros and a zero block of another length must not collide.
+    assert len({digest(bytes(n)) for n in (0, 8, 4096, 8192, 256 << 10)}) == 5
