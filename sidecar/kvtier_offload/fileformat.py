@@ -4,8 +4,10 @@
     | payload digest u64 | key length u16 | key | header crc32 u32 | zero padding to 4 KiB
 
 Little endian. The header is a whole 4 KiB block so the payload stays aligned for
-O_DIRECT. A load trusts nothing it has not checked: magic, version, fingerprint, key,
-length, header checksum and payload digest.
+O_DIRECT. The header crc32 reads the digest field as zero, so a writer can fill the
+header in before it has hashed the payload and patch only the digest afterwards (a
+damaged digest field fails the payload check instead). A load trusts nothing it has not
+checked: magic, version, fingerprint, key, length, header checksum and payload digest.
 
 The payload digest is kvtier's own 64-bit lane hash (digest.py; version 1 used crc32,
 version 2 BLAKE3): vectorised, compiled with the GIL released so I/O threads hash in
@@ -23,6 +25,8 @@ VERSION = 3
 HEADER_SIZE = 4096
 _FIXED = struct.Struct("<4sHH8sQQH")
 _CRC = struct.Struct("<I")
+_DIGEST = struct.Struct("<Q")
+DIGEST_OFFSET = 24  # of the payload digest in the header
 MAX_KEY = HEADER_SIZE - _FIXED.size - _CRC.size
 
 
@@ -37,10 +41,11 @@ class BadBlock(ValueError):
 def encode_header(fingerprint: str, key: bytes, payload_len: int, payload_digest: int) -> bytes:
     if len(key) > MAX_KEY:
         raise ValueError(f"key of {len(key)} bytes does not fit the header")
-    body = _FIXED.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(fingerprint), payload_len,
-                       payload_digest, len(key)) + key
+    body = bytearray(_FIXED.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(fingerprint),
+                                 payload_len, 0, len(key)) + key)
     body += _CRC.pack(zlib.crc32(body))
-    return body + bytes(HEADER_SIZE - len(body))
+    _DIGEST.pack_into(body, DIGEST_OFFSET, payload_digest)
+    return bytes(body) + bytes(HEADER_SIZE - len(body))
 
 
 def decode_header(header: bytes | memoryview, fingerprint: str, key: bytes,
@@ -57,7 +62,9 @@ def decode_header(header: bytes | memoryview, fingerprint: str, key: bytes,
     if key_len > MAX_KEY:
         raise BadBlock("bad-header", f"key length {key_len}")
     (stored_crc,) = _CRC.unpack_from(header, end)
-    if zlib.crc32(bytes(header[:end])) != stored_crc:
+    checked = bytearray(header[:end])
+    _DIGEST.pack_into(checked, DIGEST_OFFSET, 0)
+    if zlib.crc32(checked) != stored_crc:
         raise BadBlock("bad-header", "header checksum mismatch")
     if fp != bytes.fromhex(fingerprint) or bytes(header[_FIXED.size:end]) != key:
         raise BadBlock("foreign", "fingerprint or key of another block")

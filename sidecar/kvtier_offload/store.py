@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier_offload import digest as payload_digest
+from kvtier_offload import nativeio
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import (
     HEADER_SIZE,
@@ -41,6 +42,7 @@ log = logging.getLogger("kvtier_offload")
 BACKOFF_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.EROFS,
                   errno.EPERM}
 ALIGN = 4096
+BATCH_BYTES = 8 << 20  # a batch task moves at most this much (at least one block)
 
 
 @dataclass
@@ -54,6 +56,9 @@ class StoreConfig:
     # wait on a device or network; one per core where they complete at memory speed).
     io_threads: int = 0
     fsync: bool = False  # fdatasync before publishing (durability over throughput)
+    # Blocks go through nativeio in batches where it is available; off: the Python path
+    # for every block (it also takes any block the batch path could not finish).
+    batch_io: bool = True
     free_space_floor_percent: float = 2.0  # refuse writes below this much free space; 0: off
     write_queue_seconds: float = 10.0  # drop stores that would wait longer than this
     lookup_hit_ttl: float = 10.0
@@ -84,6 +89,12 @@ class JobOutcome:
                 break
             out.append(key)
         return out
+
+
+@dataclass
+class _BatchProgress:
+    settled: set[int] = field(default_factory=set)  # indices reported done
+    approved: set[int] = field(default_factory=set)  # indices reserved against the floor
 
 
 @dataclass
@@ -181,6 +192,10 @@ class BlockStore:
         if not payload_digest.COMPILED:
             log.warning("kvtier: numba is not usable here (%s); block digests run in numpy, "
                         "several times slower", payload_digest.UNCOMPILED_REASON)
+        self.batch_io = config.batch_io and nativeio.AVAILABLE
+        if config.batch_io and not nativeio.AVAILABLE:
+            log.warning("kvtier: batch I/O unavailable (%s); every block takes the Python "
+                        "path", nativeio.UNAVAILABLE_REASON)
         if config.o_direct == "auto":
             self.o_direct = probe_o_direct(self.layout.base)
         else:
@@ -196,6 +211,8 @@ class BlockStore:
         self._lookup_cv = threading.Condition()
         self._write_bps = 0.0  # EMA of store throughput, bytes/s
         self._queued_write_bytes = 0
+        self._unwritten = 0  # bytes approved for writing, not yet written or failed
+        self._made_dirs: set[str] = set()
         self._blocked_until = 0.0
         self._backoff = 0.0
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
@@ -220,15 +237,23 @@ class BlockStore:
             self._logged.add(what)
             log.warning(message + " (logged once; see kvtier_offload_* metrics)", *args)
 
-    def _buffer(self, size: int) -> mmap.mmap:
-        """A page-aligned bounce buffer per I/O thread, grown on demand."""
-        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+    def _buffer(self, size: int, name: str = "bounce") -> mmap.mmap:
+        """A page-aligned buffer per I/O thread and use, grown on demand."""
+        buf: mmap.mmap | None = getattr(self._local, name, None)
         if buf is None or len(buf) < size:
             if buf is not None:
                 buf.close()
             buf = mmap.mmap(-1, padded(size))
-            self._local.buf = buf
+            setattr(self._local, name, buf)
         return buf
+
+    def _batches(self, count: int, block: int) -> list[range]:
+        """Split a job into batch tasks: enough to keep every I/O thread busy, each at
+        most BATCH_BYTES (one block at least); one block per task on the Python path."""
+        if not self.batch_io:
+            return [range(i, i + 1) for i in range(count)]
+        per_task = max(1, min(-(-count // self._pool.threads), BATCH_BYTES // max(block, 1)))
+        return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
 
     def _remember(self, key: bytes, present: bool) -> None:
         ttl = self.cfg.lookup_hit_ttl if present else self.cfg.lookup_miss_ttl
@@ -373,9 +398,10 @@ class BlockStore:
         with self._lock:
             self._queued_write_bytes += nbytes
         enqueued = time.monotonic()
-        for i, (key, data) in enumerate(items):
-            self._pool.submit_write(
-                lambda j=job, i=i, k=key, d=data: self._store_task(j, i, k, d, enqueued))
+        block = len(items[0][1]) if items else 0
+        for batch in self._batches(len(items), block):
+            self._pool.submit_write(lambda j=job, b=[(i, *items[i]) for i in batch]:
+                                    self._store_task(j, b, enqueued))
         self.metrics.queue_depth.labels("store").set(self._pool.queued_writes)
 
     def _would_overflow(self, nbytes: int) -> bool:
@@ -386,7 +412,9 @@ class BlockStore:
     def _free_space_ok(self, size: int) -> bool:
         """Whether writing size more bytes keeps the volume above its free-space floor.
         statvfs is re-read at most once a second, or every time near the floor; bytes
-        written meanwhile are reserved against it, so a burst cannot overshoot."""
+        approved since are reserved against it, and statvfs cannot see bytes approved but
+        not yet written (a batch approves all its blocks first), so a burst cannot
+        overshoot."""
         if self.cfg.free_space_floor_percent <= 0:
             return True  # no floor: the write itself finds out (ENOSPC backs off)
         now = time.monotonic()
@@ -398,7 +426,8 @@ class BlockStore:
                 st = os.statvfs(self.layout.base)
             except OSError:
                 return True  # cannot tell: let the write itself find out
-            free = st.f_bavail * st.f_frsize
+            with self._lock:
+                free = st.f_bavail * st.f_frsize - self._unwritten
             floor = int(st.f_blocks * st.f_frsize * self.cfg.free_space_floor_percent / 100)
             checked_at = now
         with self._lock:
@@ -406,37 +435,108 @@ class BlockStore:
             self._free_checked = (checked_at, free - size if ok else free, floor)
         return ok
 
-    def _store_task(self, job: _Job, index: int, key: bytes, data: memoryview,
+    def _store_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
                     enqueued: float) -> None:
-        size = len(data)
-        ok = False
+        progress = _BatchProgress()
         try:
-            ok = self._store_one(key, data, enqueued)
-        except Exception as err:  # never let one block take down an I/O thread
+            self._store_batch(job, batch, enqueued, progress)
+        except Exception as err:  # never let one batch take down an I/O thread
             self.metrics.failed.labels(type(err).__name__).inc()
             self._log_once(f"store-{type(err).__name__}", "kvtier store failed: %s", err)
         finally:
-            with self._lock:
-                self._queued_write_bytes -= size
-            self._done(job, index, ok, size)
+            for index, _, data in batch:
+                if index not in progress.settled:
+                    self._store_settle(job, index, False, len(data), progress)
 
-    def _store_one(self, key: bytes, data: memoryview, enqueued: float) -> bool:
+    def _store_settle(self, job: _Job, index: int, ok: bool, size: int,
+                      progress: _BatchProgress) -> None:
+        progress.settled.add(index)
+        with self._lock:
+            self._queued_write_bytes -= size
+            if index in progress.approved:
+                self._unwritten -= HEADER_SIZE + size
+        self._done(job, index, ok, size)
+
+    def _store_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
+                     enqueued: float, progress: _BatchProgress) -> None:
+        """Decide each block (drop, already there, write); write the batchable ones in
+        one batch, the rest and whatever the batch could not finish on the Python path."""
         start = time.monotonic()
-        if start - enqueued > self.cfg.write_queue_seconds:
+        native: list[tuple[int, bytes, memoryview, str]] = []
+        for index, key, data in batch:
+            path = self.layout.path(key)
+            verdict = self._store_verdict(key, len(data), path, enqueued, start)
+            if verdict is not None:
+                self._store_settle(job, index, verdict, len(data), progress)
+                continue
+            with self._lock:
+                self._unwritten += HEADER_SIZE + len(data)
+            progress.approved.add(index)
+            if self.batch_io and nativeio.eligible(data, self.o_direct):
+                native.append((index, key, data, path))
+            else:
+                ok = self._store_python(key, data, path)
+                self._store_settle(job, index, ok, len(data), progress)
+        if not native:
+            return
+        for _, _, _, path in native:
+            self._ensure_parent(path)
+        headers = self._buffer(len(native) * HEADER_SIZE, "headers")
+        for n, (_, key, data, _) in enumerate(native):
+            headers[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
+                self.layout.fingerprint, key, len(data), 0)
+        began = time.monotonic()
+        status = nativeio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
+                                      [p for _, _, _, p in native], [d for _, _, d, _ in native],
+                                      memoryview(headers), self.o_direct, self.cfg.fsync)
+        share = (time.monotonic() - began) / len(native)
+        for (index, key, data, path), st in zip(native, status, strict=True):
+            if st == nativeio.DONE:
+                self._stored(key, len(data), share)
+                ok = True
+            else:  # a first write into a new directory, or an error: Python decides
+                ok = self._store_python(key, data, path)
+            self._store_settle(job, index, ok, len(data), progress)
+
+    def _ensure_parent(self, path: str) -> None:
+        """Create a block's fan-out directory once per process, so first writes take the
+        batch path too (one the evictor removed since makes that block fall back to the
+        Python path, which recreates it)."""
+        directory = os.path.dirname(path)
+        if directory not in self._made_dirs:
+            try:
+                self.layout.ensure_dir(directory)
+            except OSError:
+                return  # the write finds out and says why
+            with self._lock:
+                if len(self._made_dirs) >= 1 << 17:  # 65,536 fan-out directories at most
+                    self._made_dirs.clear()
+                self._made_dirs.add(directory)
+
+    def _store_verdict(self, key: bytes, size: int, path: str, enqueued: float,
+                       now: float) -> bool | None:
+        """False: drop this store; True: already stored; None: write it."""
+        if now - enqueued > self.cfg.write_queue_seconds:
             self.metrics.dropped.labels("stale").inc()
             return False
-        if start < self._blocked_until:
+        if now < self._blocked_until:
             self.metrics.dropped.labels("backoff").inc()
             return False
-        if not self._free_space_ok(HEADER_SIZE + len(data)):
+        if not self._free_space_ok(HEADER_SIZE + size):
             self.metrics.dropped.labels("free-space-floor").inc()
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        path = self.layout.path(key)
         if self._cached(key) or os.path.exists(path):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
+        return None
+
+    def _store_python(self, key: bytes, data: memoryview, path: str) -> bool:
+        start = time.monotonic()
+        if start < self._blocked_until:  # an earlier block of this batch backed off
+            self.metrics.dropped.labels("backoff").inc()
+            return False
         try:
             self._write_file(key, data, path)
         except OSError as err:
@@ -447,16 +547,18 @@ class BlockStore:
                 self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
                 self._blocked_until = time.monotonic() + self._backoff
             return False
+        self._stored(key, len(data), time.monotonic() - start)
+        return True
+
+    def _stored(self, key: bytes, size: int, seconds: float) -> None:
         self._backoff = 0.0
-        elapsed = max(time.monotonic() - start, 1e-6)
-        rate = len(data) / elapsed
+        rate = size / max(seconds, 1e-6)
         with self._lock:
             self._write_bps = rate if self._write_bps == 0 else 0.8 * self._write_bps + 0.2 * rate
         self._remember(key, True)
         self.metrics.store_ok.inc()
-        self.metrics.store_bytes.inc(len(data))
-        self.metrics.store_latency.observe(elapsed)
-        return True
+        self.metrics.store_bytes.inc(size)
+        self.metrics.store_latency.observe(seconds)
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
@@ -537,24 +639,61 @@ class BlockStore:
     def load(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Queue the reads of one job into the given (writable) buffers."""
         job = self._start_job(job_id, "load", [k for k, _ in items])
-        for i, (key, dest) in enumerate(items):
-            self._pool.submit_read(lambda j=job, i=i, k=key, d=dest: self._load_task(j, i, k, d))
+        block = len(items[0][1]) if items else 0
+        for batch in self._batches(len(items), block):
+            self._pool.submit_read(lambda j=job, b=[(i, *items[i]) for i in batch]:
+                                   self._load_task(j, b))
 
-    def _load_task(self, job: _Job, index: int, key: bytes, dest: memoryview) -> None:
-        ok = False
+    def _load_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]]) -> None:
+        settled: set[int] = set()
         try:
-            ok = self._load_one(key, dest)
+            native = [(i, k, d) for i, k, d in batch
+                      if self.batch_io and nativeio.eligible(d, self.o_direct)]
+            if native:
+                self._load_batch(job, native, settled)
+            for index, key, dest in batch:
+                if index not in settled:
+                    settled.add(index)
+                    self._done(job, index, self._load_one(key, dest), len(dest))
         except Exception as err:
             self.metrics.operations.labels("load", "error").inc()
             self._log_once(f"load-{type(err).__name__}", "kvtier load failed: %s", err)
         finally:
-            self._done(job, index, ok, len(dest))
+            for index, _, dest in batch:
+                if index not in settled:
+                    self._done(job, index, False, len(dest))
 
-    def _load_one(self, key: bytes, dest: memoryview) -> bool:
+    def _load_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
+                    settled: set[int]) -> None:
+        """Read and hash a batch in one call; check each header and digest here. A block
+        the batch could not read whole is left to the Python path (not settled)."""
+        headers = self._buffer(len(batch) * HEADER_SIZE, "headers")
+        paths = [self.layout.path(k) for _, k, _ in batch]
+        began = time.monotonic()
+        status, digests = nativeio.read_files(paths, [d for _, _, d in batch],
+                                              memoryview(headers), self.o_direct)
+        share = (time.monotonic() - began) / len(batch)
+        for n, (index, key, dest) in enumerate(batch):
+            if status[n] != nativeio.DONE:
+                continue
+            header = memoryview(headers)[n * HEADER_SIZE:(n + 1) * HEADER_SIZE]
+            read = (header, int(digests[n]))
+            settled.add(index)
+            self._done(job, index, self._load_one(key, dest, read, share), len(dest))
+
+    def _load_one(self, key: bytes, dest: memoryview,
+                  read: tuple[memoryview, int] | None = None, seconds: float = 0.0) -> bool:
+        """Load one block into dest; with read, the batch path has already read it
+        (header, payload digest) and only the checks remain."""
         start = time.monotonic()
         path = self.layout.path(key)
         try:
-            self._read_verified(key, dest, path)
+            if read is None:
+                self._read_verified(key, dest, path)
+            else:
+                self._check(key, len(dest), *read)
+                self._remember(key, True)
+                self._touch(path, os.stat(path))
         except FileNotFoundError:
             self._remember(key, False)
             self.metrics.operations.labels("load", "missing").inc()
@@ -574,11 +713,16 @@ class BlockStore:
             self.metrics.operations.labels("load", name).inc()
             self._log_once(f"load-{name}", "kvtier cannot read %s: %s", path, err)
             return False
-        elapsed = time.monotonic() - start
+        elapsed = seconds + time.monotonic() - start
         self.metrics.load_ok.inc()
         self.metrics.load_bytes.inc(len(dest))
         self.metrics.load_latency.observe(elapsed)
         return True
+
+    def _check(self, key: bytes, size: int, header: memoryview, payload_digest: int) -> None:
+        expected = decode_header(header, self.layout.fingerprint, key, size)
+        if payload_digest != expected:
+            raise BadBlock("bad-checksum", "payload checksum mismatch")
 
     def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:
         size = len(dest)
@@ -592,20 +736,15 @@ class BlockStore:
                 total = padded(HEADER_SIZE + size)
                 buf = self._buffer(total)
                 got = self._read_all(fd, [memoryview(buf)[:total]])
-                if got < HEADER_SIZE + size:
-                    raise BadBlock("truncated", f"read {got} bytes")
-                expected = decode_header(memoryview(buf)[:HEADER_SIZE],
-                                       self.layout.fingerprint, key, size)
+                header = memoryview(buf)[:HEADER_SIZE]
                 dest[:] = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + size]
             else:
                 head = self._buffer(HEADER_SIZE) if direct else bytearray(HEADER_SIZE)
-                header_view = memoryview(head)[:HEADER_SIZE]
-                got = self._read_all(fd, [header_view, dest])
-                if got < HEADER_SIZE + size:
-                    raise BadBlock("truncated", f"read {got} bytes")
-                expected = decode_header(header_view, self.layout.fingerprint, key, size)
-            if digest(dest) != expected:
-                raise BadBlock("bad-checksum", "payload checksum mismatch")
+                header = memoryview(head)[:HEADER_SIZE]
+                got = self._read_all(fd, [header, dest])
+            if got < HEADER_SIZE + size:
+                raise BadBlock("truncated", f"read {got} bytes")
+            self._check(key, size, header, digest(dest))
         finally:
             os.close(fd)
         self._remember(key, True)

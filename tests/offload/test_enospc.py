@@ -15,10 +15,12 @@ pytestmark = pytest.mark.privileged
 BLOCK = 1 << 20
 
 
-def test_full_volume(tmp_path):
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_full_volume(tmp_path, batch_io):
     with tmpfs(tmp_path / "vol", "8m") as vol:
         store = BlockStore(StoreConfig(root=str(vol), fingerprint=FP, read_threads=2,
-                                       write_threads=2, free_space_floor_percent=0.0))
+                                       write_threads=2, free_space_floor_percent=0.0,
+                                       batch_io=batch_io))
         try:
             ks, src = keys(12), rows(12, BLOCK, seed=1)
             first = run_store(store, 1, list(zip(ks, src)))

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvtier_evictor.layouts import KVTIER, Kind
+from kvtier_offload import nativeio
 from kvtier_offload.fileformat import HEADER_SIZE, MAGIC, BadBlock, decode_header, encode_header
 from kvtier_offload.layout import Layout, fingerprint
 from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
@@ -19,8 +20,9 @@ from tests.offload.conftest import FP, keys, rows, run_load, run_store
 SIZE = 64 * 1024
 
 
-def test_round_trip_and_file_format(make_store, tmp_path):
-    store = make_store()
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_round_trip_and_file_format(make_store, tmp_path, batch_io):
+    store = make_store(batch_io=batch_io)
     ks, src = keys(4), rows(4, SIZE, seed=1)
     assert run_store(store, 1, list(zip(ks, src))).success
     path = store.layout.path(ks[0])
@@ -145,8 +147,9 @@ def _corrupt(path: str, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["truncated", "zero-filled", "payload-flip", "header-flip",
                                  "empty", "foreign-key", "pages-swapped", "version-2"])
-def test_bad_files_are_refused_removed_and_counted(make_store, how):
-    store = make_store()
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_bad_files_are_refused_removed_and_counted(make_store, how, batch_io):
+    store = make_store(batch_io=batch_io)
     ks, src = keys(3), rows(3, SIZE, seed=3)
     run_store(store, 1, list(zip(ks, src)))
     _corrupt(store.layout.path(ks[1]), how)
@@ -206,7 +209,7 @@ def test_store_of_existing_key_is_skipped(make_store):
 
 
 def test_injected_write_errors_fail_the_job_and_back_off(make_store, monkeypatch):
-    store = make_store()
+    store = make_store(batch_io=False)  # injects into the Python path
     real = os.writev
 
     def failing(fd, bufs):
@@ -226,7 +229,7 @@ def test_injected_write_errors_fail_the_job_and_back_off(make_store, monkeypatch
 
 
 def test_close_errors_are_seen(make_store, monkeypatch):
-    store = make_store()
+    store = make_store(batch_io=False)  # injects into the Python path
     real_close = os.close
     failed = []
 
@@ -252,7 +255,8 @@ def test_free_space_floor_stops_writes(make_store):
 
 
 def test_overload_drops_stores_and_never_reports_them(make_store, monkeypatch):
-    store = make_store(write_threads=1, read_threads=1, write_queue_seconds=0.2)
+    store = make_store(write_threads=1, read_threads=1, write_queue_seconds=0.2,
+                       batch_io=False)
     real = store._write_file
 
     def slow(*args):
@@ -301,8 +305,9 @@ def test_o_direct_probe_and_forced_buffered(make_store, tmp_path):
     assert isinstance(probe_o_direct(str(tmp_path)), bool)
 
 
-def test_unaligned_rows_round_trip(make_store):
-    store = make_store()
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_unaligned_rows_round_trip(make_store, batch_io):
+    store = make_store(batch_io=batch_io)
     src = [memoryview(bytearray(os.urandom(SIZE + 100)))[3:3 + SIZE + 17] for _ in range(3)]
     ks = keys(3)
     assert run_store(store, 1, list(zip(ks, src))).success
@@ -337,6 +342,43 @@ def test_o_direct_refused_falls_back_to_buffered(make_store, monkeypatch):
     assert [bytes(d) for d in dest] == [bytes(s) for s in src]
 
 
+@pytest.mark.skipif(not nativeio.AVAILABLE, reason=nativeio.UNAVAILABLE_REASON or "-")
+def test_aligned_blocks_take_the_batch_path_first_writes_included(make_store, monkeypatch):
+    store = make_store()
+
+    def python_path(*args):
+        raise AssertionError("the Python path ran")
+
+    monkeypatch.setattr(store, "_write_file", python_path)
+    monkeypatch.setattr(store, "_read_verified", python_path)
+    ks, src = keys(6), rows(6, SIZE, seed=31)  # random keys: every block in a new directory
+    assert run_store(store, 1, list(zip(ks, src))).success
+    dest = rows(6, SIZE, seed=32)
+    assert run_load(store, 2, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+    off = make_store(batch_io=False)
+    monkeypatch.setattr(off, "_write_file", python_path)
+    assert not run_store(off, 3, list(zip(keys(1), rows(1, SIZE)))).success
+
+
+@pytest.mark.skipif(not nativeio.AVAILABLE, reason=nativeio.UNAVAILABLE_REASON or "-")
+def test_a_block_the_batch_cannot_finish_goes_the_python_way(make_store):
+    store = make_store()
+    ks, src = keys(3), rows(3, SIZE, seed=41)
+    run_store(store, 1, list(zip(ks, src)))
+    # a directory the evictor reaped after this process made it
+    victim = store.layout.path(ks[1])
+    os.unlink(victim)
+    os.rmdir(os.path.dirname(victim))
+    store.forget(ks[1])
+    assert run_store(store, 2, [(ks[1], src[1])]).success
+    assert os.path.exists(victim)
+    # a file that vanished between lookup and load: a missing key, not an error
+    os.unlink(store.layout.path(ks[2]))
+    outcome = run_load(store, 3, list(zip(ks, rows(3, SIZE))))
+    assert outcome.ok == [True, True, False]
+
+
 def test_partial_transfers_advance_the_buffer_list():
     from kvtier_offload.store import _advance
 
@@ -348,7 +390,7 @@ def test_partial_transfers_advance_the_buffer_list():
 
 
 def test_short_writes_are_resumed(make_store, monkeypatch):
-    store = make_store(o_direct="off")
+    store = make_store(o_direct="off", batch_io=False)
     real = os.writev
 
     def stingy(fd, bufs):  # the kernel may write less than asked; never more than 1000

@@ -1,0 +1,202 @@
+"""Whole batches of block files read or written with the GIL released.
+
+The block store's Python path costs ~25 us of interpreter time per file, and every
+syscall in it hands the GIL between I/O threads; at 256 KiB that, not the copy, bounded
+throughput. Here a batch of files (open, pread/pwrite, digest, close, rename) runs as
+machine code compiled by numba (a vLLM dependency) calling libc directly, so I/O threads
+run truly in parallel and the interpreter is paid once per batch.
+
+Only the common case lives here: a file that is whole and reads or writes in full. Any
+other outcome (a missing or short file, an error of any kind) is reported as "not done"
+and the block store redoes that block on its Python path, which owns every error,
+metric and log line, so there is one place that decides what a failure means.
+Linux only; `AVAILABLE` is False elsewhere or without numba, and the store then uses
+its Python path for everything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier_offload import digest as payload_digest
+from kvtier_offload.fileformat import DIGEST_OFFSET, HEADER_SIZE
+
+DONE = 0
+NOT_DONE = 1
+
+
+def _addresses(buffers: Sequence[memoryview]) -> np.ndarray:
+    return np.array([np.frombuffer(b, np.uint8).ctypes.data if len(b) else 0
+                     for b in buffers], dtype=np.int64)
+
+
+def _c_strings(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """NUL-terminated paths packed into one array, and where each starts."""
+    encoded = [os.fsencode(p) + b"\0" for p in paths]
+    starts = np.zeros(len(encoded), dtype=np.int64)
+    np.cumsum([len(e) for e in encoded[:-1]], out=starts[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), starts
+
+
+def _build() -> tuple[object, object]:
+    import numba
+    from numba import types
+    from numba.extending import intrinsic
+
+    if not sys.platform.startswith("linux") or sys.byteorder != "little":
+        raise OSError("the batch path is built for little-endian Linux")
+    if payload_digest.COMPILED is False:
+        raise ImportError(payload_digest.UNCOMPILED_REASON)
+    libc = ctypes.CDLL(None)
+    word, size_t, off_t, c_int = ctypes.c_ssize_t, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int
+
+    def c(name: str, restype: object, *argtypes: object) -> object:
+        fn = getattr(libc, name)
+        fn.restype, fn.argtypes = restype, list(argtypes)
+        return fn
+
+    # Pointers travel as machine words (same registers as pointers on LP64 Linux).
+    c_open = c("open", c_int, word, c_int, c_int)
+    c_close = c("close", c_int, c_int)
+    c_pread = c("pread", word, c_int, word, size_t, off_t)
+    c_pwrite = c("pwrite", word, c_int, word, size_t, off_t)
+    c_fdatasync = c("fdatasync", c_int, c_int)
+    c_rename = c("rename", c_int, word, word)
+    c_unlink = c("unlink", c_int, word)
+    digest_words = payload_digest._compiled
+
+    @intrinsic
+    def words_at(typingctx: object, address: object) -> object:  # pragma: no cover
+        sig = types.CPointer(types.uint64)(types.int64)
+
+        def codegen(context: object, builder: object, signature: object, args: list) -> object:
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return sig, codegen
+
+    @numba.njit(nogil=True)
+    def transfer(fd: int, address: int, size: int, offset: int,
+                 write: bool) -> bool:  # pragma: no cover (machine code)
+        done = 0
+        while done < size:
+            if write:
+                n = c_pwrite(fd, address + done, size - done, offset + done)
+            else:
+                n = c_pread(fd, address + done, size - done, offset + done)
+            if n <= 0:
+                return False
+            done += n
+        return True
+
+    @numba.njit(nogil=True)
+    def digest_at(address: int, size: int, secret: np.ndarray) -> np.uint64:  # pragma: no cover
+        # size is a multiple of 8 (see eligible()): no tail word
+        words = numba.carray(words_at(address), size // 8)
+        return digest_words(words, secret, np.uint64(0), np.uint64(size))
+
+    @numba.njit(nogil=True)
+    def read_batch(paths: np.ndarray, starts: np.ndarray, dests: np.ndarray,
+                   sizes: np.ndarray, headers: np.ndarray, flags: int, secret: np.ndarray,
+                   status: np.ndarray, digests: np.ndarray) -> None:  # pragma: no cover
+        for i in range(starts.shape[0]):
+            status[i] = 1
+            fd = c_open(paths.ctypes.data + starts[i], flags, 0)
+            if fd < 0:
+                continue
+            head = headers.ctypes.data + i * 4096
+            whole = transfer(fd, head, 4096, 0, False) and transfer(
+                fd, dests[i], sizes[i], 4096, False)
+            c_close(fd)  # read-only: nothing to lose on a failed close
+            if whole:
+                digests[i] = digest_at(dests[i], sizes[i], secret)
+                status[i] = 0
+
+    @numba.njit(nogil=True)
+    def write_batch(tmps: np.ndarray, tmp_starts: np.ndarray, finals: np.ndarray,
+                    final_starts: np.ndarray, datas: np.ndarray, sizes: np.ndarray,
+                    headers: np.ndarray, flags: int, fsync: bool, secret: np.ndarray,
+                    status: np.ndarray) -> None:  # pragma: no cover
+        digest_slots = headers.view(np.uint64)
+        for i in range(tmp_starts.shape[0]):
+            status[i] = 1
+            digest_slots[(i * 4096 + 24) // 8] = digest_at(datas[i], sizes[i], secret)
+            tmp = tmps.ctypes.data + tmp_starts[i]
+            fd = c_open(tmp, flags, 0o664)
+            if fd < 0:
+                continue
+            ok = transfer(fd, headers.ctypes.data + i * 4096, 4096, 0, True) and transfer(
+                fd, datas[i], sizes[i], 4096, True)
+            if ok and fsync:
+                ok = c_fdatasync(fd) == 0
+            ok = c_close(fd) == 0 and ok  # NFS reports ENOSPC at close
+            if ok and c_rename(tmp, finals.ctypes.data + final_starts[i]) == 0:
+                status[i] = 0
+            else:
+                c_unlink(tmp)
+
+    assert DIGEST_OFFSET == 24 and HEADER_SIZE == 4096  # as compiled above
+    # Compile now (about 2 s, once per process), not inside the first load a user waits on.
+    none, no_bytes = np.zeros(0, np.int64), np.zeros(0, np.uint8)
+    secret = payload_digest.SECRET
+    read_batch(no_bytes, none, none, none, no_bytes, 0, secret, none, np.zeros(0, np.uint64))
+    write_batch(no_bytes, none, no_bytes, none, none, none, no_bytes, 0, False, secret, none)
+    return read_batch, write_batch
+
+
+try:
+    _read_batch, _write_batch = _build()
+    UNAVAILABLE_REASON = ""
+except Exception as err:  # no numba, not Linux, a libc without these symbols
+    _read_batch = _write_batch = None
+    UNAVAILABLE_REASON = f"{type(err).__name__}: {err}"
+AVAILABLE = _read_batch is not None
+
+
+def eligible(buffer: memoryview, direct: bool) -> bool:
+    """Whether a block's buffer can take the batch path: whole 8-byte words, and with
+    O_DIRECT a 4 KiB aligned address and length (else the Python path bounces it)."""
+    if len(buffer) % 8:
+        return False
+    if not direct:
+        return True
+    address = np.frombuffer(buffer, np.uint8).ctypes.data if len(buffer) else 0
+    return len(buffer) % 4096 == 0 and address % 4096 == 0
+
+
+def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
+               direct: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Read each file's header into headers[i * 4096:] and its payload into dests[i].
+    Returns (status, payload digests): DONE where both were read in full, else NOT_DONE.
+    With direct, dests and headers must be 4 KiB aligned."""
+    n = len(paths)
+    raw, starts = _c_strings(paths)
+    status = np.ones(n, dtype=np.int64)
+    digests = np.zeros(n, dtype=np.uint64)
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    sizes = np.array([len(d) for d in dests], dtype=np.int64)
+    _read_batch(raw, starts, _addresses(dests), sizes,  # type: ignore[misc]
+                np.frombuffer(headers, np.uint8), flags, payload_digest.SECRET, status,
+                digests)
+    return status, digests
+
+
+def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
+                headers: memoryview, direct: bool, fsync: bool) -> np.ndarray:
+    """Write each block to its temp name (header from headers[i * 4096:], its digest
+    filled in here; then the payload), close, and rename it to its final name. Returns
+    DONE or NOT_DONE per block; a block not done leaves no file behind."""
+    tmp_raw, tmp_starts = _c_strings(tmps)
+    final_raw, final_starts = _c_strings(finals)
+    status = np.ones(len(tmps), dtype=np.int64)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
+        os.O_DIRECT if direct else 0)
+    sizes = np.array([len(d) for d in datas], dtype=np.int64)
+    _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
+                 _addresses(datas), sizes, np.frombuffer(headers, np.uint8), flags, fsync,
+                 payload_digest.SECRET, status)
+    return status
