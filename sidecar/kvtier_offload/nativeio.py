@@ -65,6 +65,8 @@ def _build() -> tuple[object, object]:
     c_close = c("close", c_int, c_int)
     c_pread = c("pread", word, c_int, word, size_t, off_t)
     c_pwrite = c("pwrite", word, c_int, word, size_t, off_t)
+    c_preadv = c("preadv", word, c_int, word, c_int, off_t)
+    c_pwritev = c("pwritev", word, c_int, word, c_int, off_t)
     c_fdatasync = c("fdatasync", c_int, c_int)
     c_rename = c("rename", c_int, word, word)
     c_unlink = c("unlink", c_int, word)
@@ -94,6 +96,24 @@ def _build() -> tuple[object, object]:
         return True
 
     @numba.njit(nogil=True)
+    def header_and_payload(fd: int, header: int, payload: int, size: int,
+                           write: bool) -> bool:  # pragma: no cover (machine code)
+        # One syscall for both: with O_DIRECT on a disk that is one device round trip per
+        # file instead of two. A short transfer is finished piece by piece.
+        iov = np.empty(4, np.int64)
+        iov[0], iov[1], iov[2], iov[3] = header, 4096, payload, size
+        if write:
+            n = c_pwritev(fd, iov.ctypes.data, 2, 0)
+        else:
+            n = c_preadv(fd, iov.ctypes.data, 2, 0)
+        if n <= 0:
+            return False
+        if n < 4096:
+            return transfer(fd, header + n, 4096 - n, n, write) and transfer(
+                fd, payload, size, 4096, write)
+        return transfer(fd, payload + n - 4096, size - (n - 4096), n, write)
+
+    @numba.njit(nogil=True)
     def digest_at(address: int, size: int, secret: np.ndarray) -> np.uint64:  # pragma: no cover
         # size is a multiple of 8 (see eligible()): no tail word
         words = numba.carray(words_at(address), size // 8)
@@ -108,9 +128,8 @@ def _build() -> tuple[object, object]:
             fd = c_open(paths.ctypes.data + starts[i], flags, 0)
             if fd < 0:
                 continue
-            head = headers.ctypes.data + i * 4096
-            whole = transfer(fd, head, 4096, 0, False) and transfer(
-                fd, dests[i], sizes[i], 4096, False)
+            whole = header_and_payload(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i],
+                                       False)
             c_close(fd)  # read-only: nothing to lose on a failed close
             if whole:
                 digests[i] = digest_at(dests[i], sizes[i], secret)
@@ -129,8 +148,8 @@ def _build() -> tuple[object, object]:
             fd = c_open(tmp, flags, 0o664)
             if fd < 0:
                 continue
-            ok = transfer(fd, headers.ctypes.data + i * 4096, 4096, 0, True) and transfer(
-                fd, datas[i], sizes[i], 4096, True)
+            ok = header_and_payload(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i],
+                                    True)
             if ok and fsync:
                 ok = c_fdatasync(fd) == 0
             ok = c_close(fd) == 0 and ok  # NFS reports ENOSPC at close
