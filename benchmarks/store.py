@@ -117,8 +117,9 @@ def median(values: list[float]) -> float:
 
 
 def compare(base: str, label: str) -> None:
-    """Alternate vLLM and kvtier for ROUNDS rounds per block size; medians (the VM disks
-    these run on swing by 2-5x between minutes, so single runs mislead)."""
+    """Alternate vLLM and kvtier for ROUNDS rounds per block size, swapping who goes first;
+    medians (the VM disks these run on swing by 2-5x between minutes, so single runs
+    mislead)."""
     print(f"\n### {label}: {base}, O_DIRECT {'yes' if probe_o_direct(base) else 'no'}, "
           f"{TOTAL >> 20} MiB per run, {THREADS} threads, median of {ROUNDS} alternating rounds")
     raw = [raw_device(base, TOTAL) for _ in range(ROUNDS)]
@@ -133,8 +134,11 @@ def compare(base: str, label: str) -> None:
         arena = mmap.mmap(-1, ARENA_ROWS * block)
         arena[:] = os.urandom(ARENA_ROWS * block)
         results: dict[str, list[tuple[float, float]]] = {"vllm": [], "kvtier": []}
-        for _ in range(ROUNDS):
-            for name, fn in (("vllm", vllm_fs), ("kvtier", kvtier)):
+        systems = (("vllm", vllm_fs), ("kvtier", kvtier))
+        for round_ in range(ROUNDS):
+            # Each goes first in every other round: the VM disk's burst budget favours
+            # whoever runs first after a pause.
+            for name, fn in systems if round_ % 2 == 0 else systems[::-1]:
                 root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
                 try:
                     results[name].append(fn(root, block, n, arena))
