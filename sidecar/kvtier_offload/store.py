@@ -489,7 +489,7 @@ class BlockStore:
         status = nativeio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync)
-        share = (time.monotonic() - began) / len(native)
+        share = (time.monotonic() - began) / len(native)  # each block's latency, on average
         for (index, key, data, path), st in zip(native, status, strict=True):
             if st == nativeio.DONE:
                 self._stored(key, len(data), share)
@@ -653,8 +653,9 @@ class BlockStore:
                 self._load_batch(job, native, settled)
             for index, key, dest in batch:
                 if index not in settled:
-                    settled.add(index)
-                    self._done(job, index, self._load_one(key, dest), len(dest))
+                    ok = self._load_one(key, dest)
+                    settled.add(index)  # only now: if it raised, finally reports it failed
+                    self._done(job, index, ok, len(dest))
         except Exception as err:
             self.metrics.operations.labels("load", "error").inc()
             self._log_once(f"load-{type(err).__name__}", "kvtier load failed: %s", err)
@@ -677,9 +678,9 @@ class BlockStore:
             if status[n] != nativeio.DONE:
                 continue
             header = memoryview(headers)[n * HEADER_SIZE:(n + 1) * HEADER_SIZE]
-            read = (header, int(digests[n]))
+            ok = self._load_one(key, dest, (header, int(digests[n])), share)
             settled.add(index)
-            self._done(job, index, self._load_one(key, dest, read, share), len(dest))
+            self._done(job, index, ok, len(dest))
 
     def _load_one(self, key: bytes, dest: memoryview,
                   read: tuple[memoryview, int] | None = None, seconds: float = 0.0) -> bool:
@@ -693,7 +694,10 @@ class BlockStore:
             else:
                 self._check(key, len(dest), *read)
                 self._remember(key, True)
-                self._touch(path, os.stat(path))
+                try:
+                    self._touch(path, os.stat(path))
+                except OSError:
+                    pass  # evicted since it was read: the bytes were verified, a hit
         except FileNotFoundError:
             self._remember(key, False)
             self.metrics.operations.labels("load", "missing").inc()

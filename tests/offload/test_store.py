@@ -379,6 +379,24 @@ def test_a_block_the_batch_cannot_finish_goes_the_python_way(make_store):
     assert outcome.ok == [True, True, False]
 
 
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store, monkeypatch,
+                                                                     batch_io):
+    store = make_store(batch_io=batch_io)
+    ks, src = keys(3), rows(3, SIZE, seed=51)
+    assert run_store(store, 1, list(zip(ks, src))).success
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(store, "_check", broken)
+    outcome = run_load(store, 2, list(zip(ks, rows(3, SIZE))))  # drain() would time out
+    assert outcome.ok == [False, False, False]
+    monkeypatch.setattr(store, "_write_file", broken)
+    monkeypatch.setattr(nativeio, "write_files", broken)
+    assert run_store(store, 3, list(zip(keys(2), rows(2, SIZE)))).ok == [False, False]
+
+
 def test_partial_transfers_advance_the_buffer_list():
     from kvtier_offload.store import _advance
 
