@@ -87,6 +87,9 @@ def _compile() -> object:
     import numba
     from numba import types, uint64
 
+    if numba.config.DISABLE_JIT:
+        raise ImportError("NUMBA_DISABLE_JIT is set")
+
     mask, shift, shift47 = uint64(0xFFFFFFFF), uint64(32), uint64(47)
     prime32, prime_a, prime_b = uint64(_PRIME_32), uint64(_PRIME_A), uint64(_PRIME_B)
     fmix = uint64(0xFF51AFD7ED558CCD)

@@ -50,8 +50,8 @@ def _build() -> tuple[object, object]:
 
     if not sys.platform.startswith("linux") or sys.byteorder != "little":
         raise OSError("the batch path is built for little-endian Linux")
-    if payload_digest.COMPILED is False:
-        raise ImportError(payload_digest.UNCOMPILED_REASON)
+    if not payload_digest.COMPILED:
+        raise ImportError(f"the digest is not compiled ({payload_digest.UNCOMPILED_REASON})")
     libc = ctypes.CDLL(None)
     word, size_t, off_t, c_int = ctypes.c_ssize_t, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int
 

@@ -3,6 +3,8 @@ of KV blocks must see."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,14 @@ print(store.layout.path(b"k" * 36))
     from kvtier_offload.fileformat import decode_header
     assert decode_header(raw[:4096], "00112233aabbccdd", b"k" * 36, 256 * 1024) == digest(
         raw[4096:])  # the compiled digest here agrees with the numpy one there
+
+
+def test_numba_with_its_jit_disabled_counts_as_missing():
+    import subprocess
+    import sys
+
+    code = ("from kvtier_offload import digest, nativeio; "
+            "print(digest.COMPILED, nativeio.AVAILABLE)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "NUMBA_DISABLE_JIT": "1"})
+    assert out.stdout.split() == ["False", "False"]  # not Python stand-ins that would fail
