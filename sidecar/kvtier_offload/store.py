@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier_offload import batchio
 from kvtier_offload import digest as payload_digest
-from kvtier_offload import nativeio
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import (
     HEADER_SIZE,
@@ -56,7 +56,7 @@ class StoreConfig:
     # wait on a device or network; one per core where they complete at memory speed).
     io_threads: int = 0
     fsync: bool = False  # fdatasync before publishing (durability over throughput)
-    # Blocks go through nativeio in batches where it is available; off: the Python path
+    # Blocks go through batchio in batches where it is available; off: the Python path
     # for every block (it also takes any block the batch path could not finish).
     batch_io: bool = True
     free_space_floor_percent: float = 2.0  # refuse writes below this much free space; 0: off
@@ -192,10 +192,10 @@ class BlockStore:
         if not payload_digest.COMPILED:
             log.warning("kvtier: numba is not usable here (%s); block digests run in numpy, "
                         "several times slower", payload_digest.UNCOMPILED_REASON)
-        self.batch_io = config.batch_io and nativeio.AVAILABLE
-        if config.batch_io and not nativeio.AVAILABLE:
+        self.batch_io = config.batch_io and batchio.AVAILABLE
+        if config.batch_io and not batchio.AVAILABLE:
             log.warning("kvtier: batch I/O unavailable (%s); every block takes the Python "
-                        "path", nativeio.UNAVAILABLE_REASON)
+                        "path", batchio.UNAVAILABLE_REASON)
         if config.o_direct == "auto":
             self.o_direct = probe_o_direct(self.layout.base)
         else:
@@ -472,7 +472,7 @@ class BlockStore:
             with self._lock:
                 self._unwritten += HEADER_SIZE + len(data)
             progress.approved.add(index)
-            if self.batch_io and nativeio.eligible(data, self.o_direct):
+            if self.batch_io and batchio.eligible(data, self.o_direct):
                 native.append((index, key, data, path))
             else:
                 ok = self._store_python(key, data, path)
@@ -486,12 +486,12 @@ class BlockStore:
             headers[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
                 self.layout.fingerprint, key, len(data), 0)
         began = time.monotonic()
-        status = nativeio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
+        status = batchio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync)
         share = (time.monotonic() - began) / len(native)  # each block's latency, on average
         for (index, key, data, path), st in zip(native, status, strict=True):
-            if st == nativeio.DONE:
+            if st == batchio.DONE:
                 self._stored(key, len(data), share)
                 ok = True
             else:  # a first write into a new directory, or an error: Python decides
@@ -648,7 +648,7 @@ class BlockStore:
         settled: set[int] = set()
         try:
             native = [(i, k, d) for i, k, d in batch
-                      if self.batch_io and nativeio.eligible(d, self.o_direct)]
+                      if self.batch_io and batchio.eligible(d, self.o_direct)]
             if native:
                 self._load_batch(job, native, settled)
             for index, key, dest in batch:
@@ -671,11 +671,11 @@ class BlockStore:
         headers = self._buffer(len(batch) * HEADER_SIZE, "headers")
         paths = [self.layout.path(k) for _, k, _ in batch]
         began = time.monotonic()
-        status, digests = nativeio.read_files(paths, [d for _, _, d in batch],
+        status, digests = batchio.read_files(paths, [d for _, _, d in batch],
                                               memoryview(headers), self.o_direct)
         share = (time.monotonic() - began) / len(batch)
         for n, (index, key, dest) in enumerate(batch):
-            if status[n] != nativeio.DONE:
+            if status[n] != batchio.DONE:
                 continue
             header = memoryview(headers)[n * HEADER_SIZE:(n + 1) * HEADER_SIZE]
             ok = self._load_one(key, dest, (header, int(digests[n])), share)

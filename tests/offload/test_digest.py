@@ -89,9 +89,9 @@ def test_without_numba_the_backend_writes_and_reads_the_same_files(tmp_path):
     code = f"""
 import sys
 sys.modules["numba"] = None  # import numba now fails
-from kvtier_offload import digest, nativeio
+from kvtier_offload import digest, batchio
 from kvtier_offload.store import BlockStore, StoreConfig
-assert not digest.COMPILED and not nativeio.AVAILABLE
+assert not digest.COMPILED and not batchio.AVAILABLE
 store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"))
 data = memoryview(bytearray(range(256)) * 1024)
 store.store(1, [(b"k" * 36, data)])
@@ -117,8 +117,8 @@ def test_numba_with_its_jit_disabled_counts_as_missing():
     import subprocess
     import sys
 
-    code = ("from kvtier_offload import digest, nativeio; "
-            "print(digest.COMPILED, nativeio.AVAILABLE)")
+    code = ("from kvtier_offload import digest, batchio; "
+            "print(digest.COMPILED, batchio.AVAILABLE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "NUMBA_DISABLE_JIT": "1"})
     assert out.stdout.split() == ["False", "False"]  # not Python stand-ins that would fail

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvtier_evictor.layouts import KVTIER, Kind
-from kvtier_offload import nativeio
+from kvtier_offload import batchio
 from kvtier_offload.fileformat import HEADER_SIZE, MAGIC, BadBlock, decode_header, encode_header
 from kvtier_offload.layout import Layout, fingerprint
 from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
@@ -342,7 +342,7 @@ def test_o_direct_refused_falls_back_to_buffered(make_store, monkeypatch):
     assert [bytes(d) for d in dest] == [bytes(s) for s in src]
 
 
-@pytest.mark.skipif(not nativeio.AVAILABLE, reason=nativeio.UNAVAILABLE_REASON or "-")
+@pytest.mark.skipif(not batchio.AVAILABLE, reason=batchio.UNAVAILABLE_REASON or "-")
 def test_aligned_blocks_take_the_batch_path_first_writes_included(make_store, monkeypatch):
     store = make_store()
 
@@ -361,7 +361,7 @@ def test_aligned_blocks_take_the_batch_path_first_writes_included(make_store, mo
     assert not run_store(off, 3, list(zip(keys(1), rows(1, SIZE)))).success
 
 
-@pytest.mark.skipif(not nativeio.AVAILABLE, reason=nativeio.UNAVAILABLE_REASON or "-")
+@pytest.mark.skipif(not batchio.AVAILABLE, reason=batchio.UNAVAILABLE_REASON or "-")
 def test_a_block_the_batch_cannot_finish_goes_the_python_way(make_store):
     store = make_store()
     ks, src = keys(3), rows(3, SIZE, seed=41)
@@ -393,7 +393,7 @@ def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store,
     outcome = run_load(store, 2, list(zip(ks, rows(3, SIZE))))  # drain() would time out
     assert outcome.ok == [False, False, False]
     monkeypatch.setattr(store, "_write_file", broken)
-    monkeypatch.setattr(nativeio, "write_files", broken)
+    monkeypatch.setattr(batchio, "write_files", broken)
     assert run_store(store, 3, list(zip(keys(2), rows(2, SIZE)))).ok == [False, False]
 
 

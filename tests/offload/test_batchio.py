@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from kvtier_offload import nativeio
+from kvtier_offload import batchio
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, decode_header, encode_header
 from tests.offload.conftest import FP, rows
 
-pytestmark = pytest.mark.skipif(not nativeio.AVAILABLE,
-                                reason=nativeio.UNAVAILABLE_REASON or "-")
+pytestmark = pytest.mark.skipif(not batchio.AVAILABLE,
+                                reason=batchio.UNAVAILABLE_REASON or "-")
 SIZE = 64 * 1024
 KEYS = [bytes([i]) * 36 for i in range(3)]
 
@@ -29,7 +29,7 @@ def write(tmp_path, datas, finals=None, direct=False):
         heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE] = encode_header(FP, KEYS[i], len(data), 0)
     finals = finals or [str(tmp_path / f"{i}.kvb") for i in range(len(datas))]
     tmps = [f"{f}.tmp" for f in finals]
-    return nativeio.write_files(tmps, finals, datas, heads, direct, False), finals
+    return batchio.write_files(tmps, finals, datas, heads, direct, False), finals
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -38,16 +38,16 @@ def test_written_files_are_whole_and_read_back_bit_identical(tmp_path, direct):
         pytest.skip("no O_DIRECT")
     src = rows(3, SIZE, seed=5)
     status, finals = write(tmp_path, src, direct=direct)
-    if direct and (status != nativeio.DONE).all():
+    if direct and (status != batchio.DONE).all():
         pytest.skip("this filesystem refuses O_DIRECT")
-    assert list(status) == [nativeio.DONE] * 3
+    assert list(status) == [batchio.DONE] * 3
     for i, path in enumerate(finals):
         raw = open(path, "rb").read()
         assert decode_header(raw[:HEADER_SIZE], FP, KEYS[i], SIZE) == digest(src[i])
         assert raw[HEADER_SIZE:] == bytes(src[i])
     dest = rows(3, SIZE, seed=6)
-    status, digests = nativeio.read_files(finals, dest, headers(3), direct)
-    assert list(status) == [nativeio.DONE] * 3
+    status, digests = batchio.read_files(finals, dest, headers(3), direct)
+    assert list(status) == [batchio.DONE] * 3
     assert [bytes(d) for d in dest] == [bytes(s) for s in src]
     assert [int(d) for d in digests] == [digest(s) for s in src]
     assert sorted(os.listdir(tmp_path)) == ["0.kvb", "1.kvb", "2.kvb"]  # no temp left
@@ -61,8 +61,8 @@ def test_a_write_that_cannot_finish_leaves_no_file(tmp_path):
     tmps = [f"{finals[0]}.tmp", f"{finals[1]}.tmp", str(tmp_path / "renamed-into-nothing" / "t")]
     finals[2] = str(tmp_path / "missing-dir" / "2.kvb")  # the rename fails
     heads = headers(3)
-    status = nativeio.write_files(tmps, finals, src, heads, False, False)
-    assert list(status) == [nativeio.DONE, nativeio.NOT_DONE, nativeio.NOT_DONE]
+    status = batchio.write_files(tmps, finals, src, heads, False, False)
+    assert list(status) == [batchio.DONE, batchio.NOT_DONE, batchio.NOT_DONE]
     assert os.listdir(tmp_path / "renamed-into-nothing") == []  # the temp went too
 
 
@@ -72,14 +72,14 @@ def test_missing_and_short_files_are_not_done(tmp_path):
     with open(finals[1], "r+b") as f:
         f.truncate(HEADER_SIZE + SIZE - 1)
     dest = rows(3, SIZE, seed=9)
-    status, _ = nativeio.read_files([*finals, str(tmp_path / "absent.kvb")], dest, headers(3),
+    status, _ = batchio.read_files([*finals, str(tmp_path / "absent.kvb")], dest, headers(3),
                                     False)
-    assert list(status) == [nativeio.DONE, nativeio.NOT_DONE, nativeio.NOT_DONE]
+    assert list(status) == [batchio.DONE, batchio.NOT_DONE, batchio.NOT_DONE]
 
 
 def test_only_whole_words_and_aligned_buffers_take_the_batch_path():
     aligned = rows(1, SIZE)[0]
-    assert nativeio.eligible(aligned, direct=True)
-    assert nativeio.eligible(aligned[8:SIZE - 8], direct=False)
-    assert not nativeio.eligible(aligned[8:SIZE - 8], direct=True)
-    assert not nativeio.eligible(aligned[:SIZE - 3], direct=False)
+    assert batchio.eligible(aligned, direct=True)
+    assert batchio.eligible(aligned[8:SIZE - 8], direct=False)
+    assert not batchio.eligible(aligned[8:SIZE - 8], direct=True)
+    assert not batchio.eligible(aligned[:SIZE - 3], direct=False)
