@@ -647,8 +647,9 @@ class BlockStore:
     def _load_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]]) -> None:
         settled: set[int] = set()
         try:
-            native = [(i, k, d) for i, k, d in batch
-                      if self.batch_io and batchio.eligible(d, self.o_direct)]
+            # Machine code writes through a raw address: never into a read-only buffer.
+            native = [(i, k, d) for i, k, d in batch if self.batch_io and not
+                      memoryview(d).readonly and batchio.eligible(d, self.o_direct)]
             if native:
                 self._load_batch(job, native, settled)
             for index, key, dest in batch:

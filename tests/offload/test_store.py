@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import multiprocessing
 import os
 import struct
@@ -395,6 +396,16 @@ def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store,
     monkeypatch.setattr(store, "_write_file", broken)
     monkeypatch.setattr(batchio, "write_files", broken)
     assert run_store(store, 3, list(zip(keys(2), rows(2, SIZE)))).ok == [False, False]
+
+
+def test_a_read_only_destination_is_never_written(make_store):
+    store = make_store()
+    ks, src = keys(1), rows(1, SIZE, seed=61)
+    run_store(store, 1, list(zip(ks, src)))
+    backing = mmap.mmap(-1, SIZE)  # page-aligned: the batch path would take it
+    frozen = memoryview(backing).toreadonly()
+    assert not run_load(store, 2, [(ks[0], frozen)]).success
+    assert bytes(frozen) == bytes(SIZE)
 
 
 def test_partial_transfers_advance_the_buffer_list():
