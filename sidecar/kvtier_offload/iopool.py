@@ -43,10 +43,6 @@ class IOPool:
             self._cv.notify()
 
     @property
-    def queued_writes(self) -> int:
-        return len(self._writes)
-
-    @property
     def threads(self) -> int:
         return len(self._threads)
 

@@ -33,6 +33,9 @@ class _Noop:
     def set(self, value: float) -> None:
         pass
 
+    def dec(self, amount: float = 1) -> None:
+        pass
+
 
 def _get(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
     if prom is None:
@@ -64,7 +67,8 @@ class Metrics:
         self.failed = _get("Counter", "kvtier_offload_failed_writes",
                            "Stores that failed", ("error",))
         self.queue_depth = _get("Gauge", "kvtier_offload_queue_depth",
-                                "Queued block operations", ("direction",))
+                                "Block operations submitted and not yet finished",
+                                ("direction",))
         # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
         self.store_ok = self.operations.labels("store", "ok")
         self.load_ok = self.operations.labels("load", "ok")
@@ -72,3 +76,5 @@ class Metrics:
         self.load_bytes = self.bytes.labels("load")
         self.store_latency = self.latency.labels("store")
         self.load_latency = self.latency.labels("load")
+        self.in_queue = {"store": self.queue_depth.labels("store"),
+                         "load": self.queue_depth.labels("load")}

@@ -341,6 +341,7 @@ class BlockStore:
         job = _Job(JobOutcome(job_id, kind, keys, [False] * len(keys)), remaining=len(keys))
         with self._lock:
             self._jobs[job_id] = job
+        self.metrics.in_queue[kind].inc(len(keys))
         if not keys:
             self._finish(job)
         return job
@@ -351,6 +352,7 @@ class BlockStore:
             job.outcome.nbytes += nbytes if ok else 0
             job.remaining -= 1
             last = job.remaining == 0
+        self.metrics.in_queue[job.outcome.kind].dec()
         if last:
             self._finish(job)
 
@@ -402,7 +404,6 @@ class BlockStore:
         for batch in self._batches(len(items), block):
             self._pool.submit_write(lambda j=job, b=[(i, *items[i]) for i in batch]:
                                     self._store_task(j, b, enqueued))
-        self.metrics.queue_depth.labels("store").set(self._pool.queued_writes)
 
     def _would_overflow(self, nbytes: int) -> bool:
         with self._lock:

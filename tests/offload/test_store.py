@@ -408,6 +408,35 @@ def test_a_read_only_destination_is_never_written(make_store):
     assert bytes(frozen) == bytes(SIZE)
 
 
+def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
+    import threading
+
+    from prometheus_client import REGISTRY
+
+    def depth(direction: str) -> float:
+        return REGISTRY.get_sample_value("kvtier_offload_queue_depth",
+                                         {"direction": direction}) or 0.0
+
+    store = make_store()
+    before = depth("store"), depth("load")
+    gate = threading.Event()
+    real = store._store_batch
+
+    def held(*args):
+        gate.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(store, "_store_batch", held)
+    ks, src = keys(5), rows(5, SIZE, seed=71)
+    store.store(1, list(zip(ks, src)))
+    assert depth("store") == before[0] + 5  # queued or in flight, counted in blocks
+    gate.set()
+    assert store.drain(30)
+    assert depth("store") == before[0]
+    run_load(store, 2, list(zip(ks, rows(5, SIZE))))
+    assert (depth("store"), depth("load")) == before
+
+
 def test_partial_transfers_advance_the_buffer_list():
     from kvtier_offload.store import _advance
 
