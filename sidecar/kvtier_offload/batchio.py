@@ -70,7 +70,7 @@ def _build() -> tuple[object, object]:
     c_fdatasync = c("fdatasync", c_int, c_int)
     c_rename = c("rename", c_int, word, word)
     c_unlink = c("unlink", c_int, word)
-    digest_words = payload_digest._compiled
+    digest_words = payload_digest.digest_words
 
     @intrinsic
     def words_at(typingctx: object, address: object) -> object:  # pragma: no cover

@@ -134,13 +134,15 @@ def _compile() -> object:
     return compiled
 
 
+# The machine-code digest of whole words, (words, SECRET, tail word, nbytes) -> digest;
+# callable from other numba code (batchio), or None where numba is not usable.
 try:
-    _compiled = _compile()
+    digest_words = _compile()
     UNCOMPILED_REASON = ""
 except Exception as err:  # numba missing, or cannot compile for this CPU
-    _compiled = None
+    digest_words = None
     UNCOMPILED_REASON = f"{type(err).__name__}: {err}"
-COMPILED = _compiled is not None
+COMPILED = digest_words is not None
 
 
 def digest(data: bytes | bytearray | memoryview | mmap.mmap,
@@ -154,7 +156,7 @@ def digest(data: bytes | bytearray | memoryview | mmap.mmap,
         words = words.astype(np.uint64)  # big-endian host or an odd address: copy
     tail = int.from_bytes(raw[whole * 8:].tobytes(), "little")
     if compiled:
-        return int(_compiled(words, SECRET, tail, nbytes))  # type: ignore[operator]
+        return int(digest_words(words, SECRET, tail, nbytes))  # type: ignore[operator]
     acc = [int(a) for a in _lanes_numpy(words)]
     rest = [int(w) for w in words[len(words) // LANES * LANES:]]
     return _fold(acc, rest + ([tail] if nbytes % 8 else []), nbytes)

@@ -189,11 +189,12 @@ class BlockStore:
             # A read-only or full volume must not stop vLLM: stores fail, lookups miss.
             log.warning("kvtier cannot create %s (%s); every store will fail and every "
                         "lookup miss until it can", self.layout.base, err)
-        if not payload_digest.COMPILED:
-            log.warning("kvtier: numba is not usable here (%s); block digests run in numpy, "
-                        "several times slower", payload_digest.UNCOMPILED_REASON)
         self.batch_io = config.batch_io and batchio.AVAILABLE
-        if config.batch_io and not batchio.AVAILABLE:
+        if not payload_digest.COMPILED:  # batch I/O needs it too: one warning says both
+            log.warning("kvtier: numba is not usable here (%s); block digests run in numpy "
+                        "and every block takes the Python path, several times slower",
+                        payload_digest.UNCOMPILED_REASON)
+        elif config.batch_io and not batchio.AVAILABLE:
             log.warning("kvtier: batch I/O unavailable (%s); every block takes the Python "
                         "path", batchio.UNAVAILABLE_REASON)
         if config.o_direct == "auto":
@@ -495,7 +496,7 @@ class BlockStore:
             if st == batchio.DONE:
                 self._stored(key, len(data), share)
                 ok = True
-            else:  # a first write into a new directory, or an error: Python decides
+            else:  # a directory reaped since it was made, or an error: Python decides
                 ok = self._store_python(key, data, path)
             self._store_settle(job, index, ok, len(data), progress)
 
@@ -509,9 +510,7 @@ class BlockStore:
                 self.layout.ensure_dir(directory)
             except OSError:
                 return  # the write finds out and says why
-            with self._lock:
-                if len(self._made_dirs) >= 1 << 17:  # 65,536 fan-out directories at most
-                    self._made_dirs.clear()
+            with self._lock:  # at most 65,536: the layout's fan-out bounds it
                 self._made_dirs.add(directory)
 
     def _store_verdict(self, key: bytes, size: int, path: str, enqueued: float,
