@@ -257,10 +257,15 @@ class BlockStore:
         return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
 
     def _remember(self, key: bytes, present: bool) -> None:
+        self._remember_all([key], present)
+
+    def _remember_all(self, keys: Sequence[bytes], present: bool) -> None:
         ttl = self.cfg.lookup_hit_ttl if present else self.cfg.lookup_miss_ttl
+        entry = (present, time.monotonic() + ttl)
         with self._lock:
-            self._cache[key] = (present, time.monotonic() + ttl)
-            self._cache.move_to_end(key)
+            for key in keys:
+                self._cache[key] = entry
+                self._cache.move_to_end(key)
             while len(self._cache) > self.cfg.lookup_cache_entries:
                 self._cache.popitem(last=False)
 
@@ -348,12 +353,19 @@ class BlockStore:
         return job
 
     def _done(self, job: _Job, index: int, ok: bool, nbytes: int) -> None:
+        self._done_all(job, [(index, ok, nbytes)])
+
+    def _done_all(self, job: _Job, results: Sequence[tuple[int, bool, int]]) -> None:
+        """Record (index, ok, bytes) results of one job; the last one finishes it."""
+        if not results:
+            return  # finished already, or not yet: nothing here may finish it again
         with self._lock:
-            job.outcome.ok[index] = ok
-            job.outcome.nbytes += nbytes if ok else 0
-            job.remaining -= 1
+            for index, ok, nbytes in results:
+                job.outcome.ok[index] = ok
+                job.outcome.nbytes += nbytes if ok else 0
+            job.remaining -= len(results)
             last = job.remaining == 0
-        self.metrics.in_queue[job.outcome.kind].dec()
+        self.metrics.in_queue[job.outcome.kind].dec(len(results))
         if last:
             self._finish(job)
 
@@ -452,12 +464,17 @@ class BlockStore:
 
     def _store_settle(self, job: _Job, index: int, ok: bool, size: int,
                       progress: _BatchProgress) -> None:
-        progress.settled.add(index)
+        self._store_settle_all(job, [(index, ok, size)], progress)
+
+    def _store_settle_all(self, job: _Job, results: Sequence[tuple[int, bool, int]],
+                          progress: _BatchProgress) -> None:
+        progress.settled.update(index for index, _, _ in results)
         with self._lock:
-            self._queued_write_bytes -= size
-            if index in progress.approved:
-                self._unwritten -= HEADER_SIZE + size
-        self._done(job, index, ok, size)
+            for index, _, size in results:
+                self._queued_write_bytes -= size
+                if index in progress.approved:
+                    self._unwritten -= HEADER_SIZE + size
+        self._done_all(job, results)
 
     def _store_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
                      enqueued: float, progress: _BatchProgress) -> None:
@@ -467,38 +484,53 @@ class BlockStore:
         native: list[tuple[int, bytes, memoryview, str]] = []
         for index, key, data in batch:
             path = self.layout.path(key)
-            verdict = self._store_verdict(key, len(data), path, enqueued, start)
+            batchable = self.batch_io and batchio.eligible(data, self.o_direct)
+            # The batch checks for an existing file itself, in machine code.
+            verdict = self._store_verdict(key, len(data), path, enqueued, start,
+                                          look=not batchable)
             if verdict is not None:
                 self._store_settle(job, index, verdict, len(data), progress)
                 continue
             with self._lock:
                 self._unwritten += HEADER_SIZE + len(data)
             progress.approved.add(index)
-            if self.batch_io and batchio.eligible(data, self.o_direct):
+            if batchable:
                 native.append((index, key, data, path))
             else:
                 ok = self._store_python(key, data, path)
                 self._store_settle(job, index, ok, len(data), progress)
         if not native:
             return
-        for _, _, _, path in native:
-            self._ensure_parent(path)
         headers = self._buffer(len(native) * HEADER_SIZE, "headers")
-        for n, (_, key, data, _) in enumerate(native):
+        for n, (_, key, data, path) in enumerate(native):
+            self._ensure_parent(path)
             headers[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
                 self.layout.fingerprint, key, len(data), 0)
         began = time.monotonic()
         status = batchio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync)
-        share = (time.monotonic() - began) / len(native)  # each block's latency, on average
+        seconds = time.monotonic() - began
+        settled: list[tuple[int, bool, int]] = []
+        written: list[bytes] = []
+        sizes: list[int] = []
+        there: list[bytes] = []
         for (index, key, data, path), st in zip(native, status, strict=True):
             if st == batchio.DONE:
-                self._stored(key, len(data), share)
-                ok = True
+                written.append(key)
+                sizes.append(len(data))
+            elif st == batchio.EXISTS:  # another pod or node stored it first: same bytes
+                there.append(key)
             else:  # a directory reaped since it was made, or an error: Python decides
                 ok = self._store_python(key, data, path)
-            self._store_settle(job, index, ok, len(data), progress)
+                self._store_settle(job, index, ok, len(data), progress)
+                continue
+            settled.append((index, True, len(data)))
+        self._stored_all(written, sizes, seconds)
+        if there:
+            self.metrics.operations.labels("store", "exists").inc(len(there))
+            self._remember_all(there, True)
+        self._store_settle_all(job, settled, progress)
 
     def _ensure_parent(self, path: str) -> None:
         """Create a block's fan-out directory once per process, so first writes take the
@@ -514,8 +546,9 @@ class BlockStore:
                 self._made_dirs.add(directory)
 
     def _store_verdict(self, key: bytes, size: int, path: str, enqueued: float,
-                       now: float) -> bool | None:
-        """False: drop this store; True: already stored; None: write it."""
+                       now: float, look: bool = True) -> bool | None:
+        """False: drop this store; True: already stored; None: write it. look: also
+        ask the volume whether the file is there (the batch path asks it itself)."""
         if now - enqueued > self.cfg.write_queue_seconds:
             self.metrics.dropped.labels("stale").inc()
             return False
@@ -527,7 +560,7 @@ class BlockStore:
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._cached(key) or os.path.exists(path):
+        if self._cached(key) or (look and os.path.exists(path)):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
@@ -547,18 +580,25 @@ class BlockStore:
                 self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
                 self._blocked_until = time.monotonic() + self._backoff
             return False
-        self._stored(key, len(data), time.monotonic() - start)
+        self._stored_all([key], [len(data)], time.monotonic() - start)
         return True
 
-    def _stored(self, key: bytes, size: int, seconds: float) -> None:
+    def _stored_all(self, keys: list[bytes], sizes: list[int], seconds: float) -> None:
+        """Count blocks written to the volume in `seconds` together."""
+        if not keys:
+            return
         self._backoff = 0.0
-        rate = size / max(seconds, 1e-6)
+        rate = sum(sizes) / max(seconds, 1e-6)
+        keep = 0.8 ** len(keys)  # as if each block had moved the average 20% of the way
         with self._lock:
-            self._write_bps = rate if self._write_bps == 0 else 0.8 * self._write_bps + 0.2 * rate
-        self._remember(key, True)
-        self.metrics.store_ok.inc()
-        self.metrics.store_bytes.inc(size)
-        self.metrics.store_latency.observe(seconds)
+            self._write_bps = rate if self._write_bps == 0 else (
+                keep * self._write_bps + (1 - keep) * rate)
+        self._remember_all(keys, True)
+        self.metrics.store_ok.inc(len(keys))
+        self.metrics.store_bytes.inc(sum(sizes))
+        share = seconds / len(keys)  # each block's latency, on average
+        for _ in keys:
+            self.metrics.store_latency.observe(share)
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
@@ -647,11 +687,12 @@ class BlockStore:
     def _load_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]]) -> None:
         settled: set[int] = set()
         try:
-            # Machine code writes through a raw address: never into a read-only buffer.
-            native = [(i, k, d) for i, k, d in batch if self.batch_io and not
-                      memoryview(d).readonly and batchio.eligible(d, self.o_direct)]
-            if native:
-                self._load_batch(job, native, settled)
+            if self.batch_io:
+                # Machine code writes through a raw address: never into a read-only buffer.
+                native = [(i, k, d) for i, k, d in batch if not memoryview(d).readonly
+                          and batchio.eligible(d, self.o_direct)]
+                if native:
+                    self._load_batch(job, native, settled)
             for index, key, dest in batch:
                 if index not in settled:
                     ok = self._load_one(key, dest)
@@ -667,38 +708,47 @@ class BlockStore:
 
     def _load_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
                     settled: set[int]) -> None:
-        """Read and hash a batch in one call; check each header and digest here. A block
-        the batch could not read whole is left to the Python path (not settled)."""
+        """Read, hash and check a batch in one call, against the headers its blocks must
+        have. A block it could not serve (missing, short, damaged, foreign) is left to the
+        Python path (not settled), which reads it again and says why."""
         headers = self._buffer(len(batch) * HEADER_SIZE, "headers")
-        paths = [self.layout.path(k) for _, k, _ in batch]
+        expected = self._buffer(len(batch) * HEADER_SIZE, "expected")
+        paths = []
+        for n, (_, key, dest) in enumerate(batch):
+            expected[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
+                self.layout.fingerprint, key, len(dest), 0)
+            paths.append(self.layout.path(key))
         began = time.monotonic()
-        status, digests = batchio.read_files(paths, [d for _, _, d in batch],
-                                              memoryview(headers), self.o_direct)
-        share = (time.monotonic() - began) / len(batch)
-        for n, (index, key, dest) in enumerate(batch):
-            if status[n] != batchio.DONE:
-                continue
-            header = memoryview(headers)[n * HEADER_SIZE:(n + 1) * HEADER_SIZE]
-            ok = self._load_one(key, dest, (header, int(digests[n])), share)
-            settled.add(index)
-            self._done(job, index, ok, len(dest))
+        status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
+                                               memoryview(headers), memoryview(expected),
+                                               self.o_direct)
+        seconds = time.monotonic() - began
+        served = np.flatnonzero(status == batchio.DONE).tolist()
+        if not served:
+            return
+        stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
+        for n in served:
+            if last_used[n] <= stale:  # (or unknown) once per touch_interval at most
+                try:
+                    self._touch(paths[n], os.stat(paths[n]))
+                except OSError:
+                    pass  # evicted since it was read: the bytes were verified, a hit
+        results = [(batch[n][0], True, len(batch[n][2])) for n in served]
+        self._remember_all([batch[n][1] for n in served], True)
+        self.metrics.load_ok.inc(len(served))
+        self.metrics.load_bytes.inc(sum(size for _, _, size in results))
+        share = seconds / len(batch)  # each block's latency, on average
+        for _ in served:
+            self.metrics.load_latency.observe(share)
+        settled.update(index for index, _, _ in results)
+        self._done_all(job, results)
 
-    def _load_one(self, key: bytes, dest: memoryview,
-                  read: tuple[memoryview, int] | None = None, seconds: float = 0.0) -> bool:
-        """Load one block into dest; with read, the batch path has already read it
-        (header, payload digest) and only the checks remain."""
+    def _load_one(self, key: bytes, dest: memoryview) -> bool:
+        """Load one block into dest on the Python path."""
         start = time.monotonic()
         path = self.layout.path(key)
         try:
-            if read is None:
-                self._read_verified(key, dest, path)
-            else:
-                self._check(key, len(dest), *read)
-                self._remember(key, True)
-                try:
-                    self._touch(path, os.stat(path))
-                except OSError:
-                    pass  # evicted since it was read: the bytes were verified, a hit
+            self._read_verified(key, dest, path)
         except FileNotFoundError:
             self._remember(key, False)
             self.metrics.operations.labels("load", "missing").inc()
@@ -718,10 +768,9 @@ class BlockStore:
             self.metrics.operations.labels("load", name).inc()
             self._log_once(f"load-{name}", "kvtier cannot read %s: %s", path, err)
             return False
-        elapsed = seconds + time.monotonic() - start
         self.metrics.load_ok.inc()
         self.metrics.load_bytes.inc(len(dest))
-        self.metrics.load_latency.observe(elapsed)
+        self.metrics.load_latency.observe(time.monotonic() - start)
         return True
 
     def _check(self, key: bytes, size: int, header: memoryview, payload_digest: int) -> None:

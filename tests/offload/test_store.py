@@ -209,6 +209,44 @@ def test_store_of_existing_key_is_skipped(make_store):
     assert os.stat(store.layout.path(ks[0])).st_mtime_ns == mtime
 
 
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_a_key_another_store_wrote_first_is_kept_and_counted(make_store, batch_io):
+    from prometheus_client import REGISTRY
+
+    def exists() -> float:
+        return REGISTRY.get_sample_value("kvtier_offload_operations_total",
+                                         {"direction": "store", "outcome": "exists"}) or 0.0
+
+    first, second = make_store(), make_store(batch_io=batch_io)  # caches of their own
+    ks = keys(2)
+    run_store(first, 1, [(ks[0], rows(1, SIZE, seed=1)[0])])
+    mtime = os.stat(first.layout.path(ks[0])).st_mtime_ns
+    before = exists()
+    outcome = run_store(second, 2, list(zip(ks, rows(2, SIZE, seed=2))))
+    assert outcome.ok == [True, True] and outcome.nbytes == 2 * SIZE
+    assert os.stat(first.layout.path(ks[0])).st_mtime_ns == mtime
+    assert exists() == before + 1
+    assert second.lookup_now(ks) == [True, True]
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_a_load_refreshes_atime_at_most_once_per_interval(make_store, tmp_path, batch_io):
+    patient = make_store(batch_io=batch_io, touch_interval=3600.0)
+    ks = keys(1)
+    path = patient.layout.path(ks[0])
+    run_store(patient, 1, list(zip(ks, rows(1, SIZE))))
+    time.sleep(0.02)  # past the clock tick of the write (file times are coarse)
+    assert run_load(patient, 2, list(zip(ks, rows(1, SIZE)))).success
+    # atime is now past mtime and ctime: relatime leaves it alone, only kvtier moves it
+    atime = os.stat(path).st_atime_ns
+    time.sleep(0.02)
+    assert run_load(patient, 3, list(zip(ks, rows(1, SIZE)))).success
+    assert os.stat(path).st_atime_ns == atime  # used within the hour: not touched
+    eager = make_store(batch_io=batch_io, touch_interval=0.0)
+    assert run_load(eager, 4, list(zip(ks, rows(1, SIZE)))).success
+    assert os.stat(path).st_atime_ns > atime
+
+
 def test_injected_write_errors_fail_the_job_and_back_off(make_store, monkeypatch):
     store = make_store(batch_io=False)  # injects into the Python path
     real = os.writev
@@ -391,6 +429,7 @@ def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store,
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(store, "_check", broken)
+    monkeypatch.setattr(batchio, "read_files", broken)
     outcome = run_load(store, 2, list(zip(ks, rows(3, SIZE))))  # drain() would time out
     assert outcome.ok == [False, False, False]
     monkeypatch.setattr(store, "_write_file", broken)
