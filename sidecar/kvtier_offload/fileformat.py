@@ -17,6 +17,7 @@ page with probability 1 - 2^-64.
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -28,6 +29,7 @@ _CRC = struct.Struct("<I")
 _DIGEST = struct.Struct("<Q")
 DIGEST_OFFSET = 24  # of the payload digest in the header
 MAX_KEY = HEADER_SIZE - _FIXED.size - _CRC.size
+_ZEROS = bytes(HEADER_SIZE)
 
 
 class BadBlock(ValueError):
@@ -38,14 +40,23 @@ class BadBlock(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
+@functools.lru_cache(maxsize=64)
+def _fixed(fingerprint: str, payload_len: int, key_len: int) -> tuple[bytes, int]:
+    """The fields before the key (digest zero) and their crc32: the same for every block
+    of one geometry, so a header costs a crc32 of its key on top."""
+    fixed = _FIXED.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(fingerprint), payload_len,
+                        0, key_len)
+    return fixed, zlib.crc32(fixed)
+
+
 def encode_header(fingerprint: str, key: bytes, payload_len: int, payload_digest: int) -> bytes:
     if len(key) > MAX_KEY:
         raise ValueError(f"key of {len(key)} bytes does not fit the header")
-    body = bytearray(_FIXED.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(fingerprint),
-                                 payload_len, 0, len(key)) + key)
-    body += _CRC.pack(zlib.crc32(body))
-    _DIGEST.pack_into(body, DIGEST_OFFSET, payload_digest)
-    return bytes(body) + bytes(HEADER_SIZE - len(body))
+    fixed, crc = _fixed(fingerprint, payload_len, len(key))
+    if payload_digest:
+        fixed = fixed[:DIGEST_OFFSET] + _DIGEST.pack(payload_digest) + fixed[DIGEST_OFFSET + 8:]
+    return b"".join((fixed, key, _CRC.pack(zlib.crc32(key, crc)),
+                     _ZEROS[:HEADER_SIZE - _FIXED.size - len(key) - _CRC.size]))
 
 
 def decode_header(header: bytes | memoryview, fingerprint: str, key: bytes,

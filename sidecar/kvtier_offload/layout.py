@@ -66,7 +66,7 @@ class Layout:
 
     def path(self, key: bytes) -> str:
         h = key.hex()
-        return os.path.join(self.base, h[:2], h[2:4], h + SUFFIX)
+        return f"{self.base}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"  # os.path.join, on the hot path
 
     def temp_path(self, key: bytes) -> str:
         h = key.hex()
