@@ -68,21 +68,33 @@ class Layout:
         h = key.hex()
         return f"{self.base}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"  # os.path.join, on the hot path
 
-    def temp_path(self, key: bytes) -> str:
-        h = key.hex()
-        return os.path.join(self.base, h[:2], h[2:4], f".{h}{SUFFIX}.{secrets.token_hex(8)}.tmp")
+    def temp_path(self, key: bytes, token: str = "") -> str:
+        """Where a block is written before its atomic rename: a name the evictor knows,
+        unique per writer by its random token (one per batch will do: a batch that
+        meets its own temp file fails that block, and the retry draws another)."""
+        directory, name = self.path(key).rsplit("/", 1)
+        return f"{directory}/.{name}.{token or secrets.token_hex(8)}.tmp"
 
     def ensure_dir(self, directory: str) -> None:
-        """makedirs with group-writable directories whatever the umask."""
-        if os.path.isdir(directory):
-            return
-        parent = os.path.dirname(directory)
-        if parent and parent != directory:
-            self.ensure_dir(parent)
+        """makedirs with group-writable directories whatever the umask: one mkdir where
+        the directory is there already, mkdir and chmod where the parent is."""
         try:
             os.mkdir(directory, DIR_MODE)
         except FileExistsError:
             return
+        except FileNotFoundError:
+            parent = os.path.dirname(directory)
+            if not parent or parent == directory:
+                raise
+            self.ensure_dir(parent)
+            try:
+                os.mkdir(directory, DIR_MODE)
+            except FileExistsError:
+                return
+        except OSError:
+            if os.path.isdir(directory):
+                return  # a read-only or foreign mount may say EROFS/EACCES for one that is
+            raise
         try:
             os.chmod(directory, DIR_MODE)
         except OSError:

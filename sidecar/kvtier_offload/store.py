@@ -15,6 +15,7 @@ import errno
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -507,7 +508,8 @@ class BlockStore:
             headers[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
                 self.layout.fingerprint, key, len(data), 0)
         began = time.monotonic()
-        status = batchio.write_files([self.layout.temp_path(k) for _, k, _, _ in native],
+        token = secrets.token_hex(8)
+        status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync)
         seconds = time.monotonic() - began

@@ -48,6 +48,8 @@ def test_files_are_what_the_evictor_expects(make_store, tmp_path):
         assert all(p.match(d) for p, d in zip(KVTIER.dir_levels, rel[:-1], strict=True))
         assert KVTIER.classify(rel[-1]) is Kind.BLOCK
     assert KVTIER.classify(os.path.basename(store.layout.temp_path(ks[0]))) is Kind.TEMP
+    assert KVTIER.classify(os.path.basename(store.layout.temp_path(ks[0], "0f" * 8))) is (
+        Kind.TEMP)
     assert (tmp_path / "kvtier" / "v1" / FP / "config.json").exists() is False  # adapter writes it
     layout = Layout(str(tmp_path), FP)
     layout.write_config({"model": "m"})
@@ -64,6 +66,26 @@ def test_directories_are_group_writable(make_store, tmp_path):
         os.umask(old)
     leaf = os.path.dirname(store.layout.path(k[0]))
     assert os.stat(leaf).st_mode & 0o2070 == 0o2070  # setgid + group rwx
+
+
+def test_ensure_dir_makes_parents_and_takes_an_existing_directory(tmp_path, monkeypatch):
+    layout = Layout(str(tmp_path), FP)
+    deep = str(tmp_path / "a" / "b" / "c")
+    old = os.umask(0o022)
+    try:
+        layout.ensure_dir(deep)
+        layout.ensure_dir(deep)  # there already: fine
+    finally:
+        os.umask(old)
+    assert all(os.stat(tmp_path / p).st_mode & 0o2070 == 0o2070 for p in ("a", "a/b", "a/b/c"))
+
+    def refused(path, mode=0o777):
+        raise PermissionError(errno.EACCES, "read-only here", path)
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    layout.ensure_dir(deep)  # some mounts say EACCES/EROFS for a directory that exists
+    with pytest.raises(PermissionError):
+        layout.ensure_dir(str(tmp_path / "new"))
 
 
 def test_fingerprint_isolates_configurations(make_store, tmp_path):
