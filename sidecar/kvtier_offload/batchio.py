@@ -260,6 +260,11 @@ if AVAILABLE:
     # Compile now (about 3 s, once per process), not inside the first transfer a user
     # waits on, and through the wrappers, so the argument types are exactly the ones real
     # calls pass (numba compiles again for any other type, read-only arrays included).
-    _none = memoryview(bytearray(0))
-    read_files([], [], _none, _none, False)
-    write_files([], [], [], _none, False, False)
+    try:
+        _none = memoryview(bytearray(0))
+        read_files([], [], _none, _none, False)
+        write_files([], [], [], _none, False, False)
+    except Exception as err:  # a numba that cannot compile this: the Python path only
+        _read_batch = _write_batch = None
+        UNAVAILABLE_REASON = f"{type(err).__name__}: {err}"
+        AVAILABLE = False

@@ -25,9 +25,6 @@ import numpy as np
 
 LANES = 32
 GROUP = 16  # stripes per scramble
-# From this size on, the compiled digest reads stripe by stripe (see _compile): measured
-# crossover on a 2 MiB-L2 EPYC, where 4 MiB is 1.25x faster lane by lane, 16 MiB 2.5x slower.
-STREAM_BYTES = 8 << 20
 _MASK = (1 << 64) - 1
 _PRIME_32 = 0x9E3779B1
 _PRIME_A = 0x9E3779B185EBCA87
@@ -96,42 +93,19 @@ def _compile() -> object:
     mask, shift, shift47 = uint64(0xFFFFFFFF), uint64(32), uint64(47)
     prime32, prime_a, prime_b = uint64(_PRIME_32), uint64(_PRIME_A), uint64(_PRIME_B)
     fmix = uint64(0xFF51AFD7ED558CCD)
-    stream_bytes = STREAM_BYTES
 
-    jit = numba.njit(nogil=True, boundscheck=False, error_model="numpy")
+    # The numpy path above, line for line, plus _fold; tests hold the two together.
+    signatures = [uint64(types.Array(uint64, 1, "C", readonly=readonly), uint64[::1],
+                         uint64, uint64) for readonly in (False, True)]
 
-    # Two orders for the same sums (additions within a group commute), by where the
-    # data is likely to be. Lane by lane within a group: each lane's sum stays in a
-    # register, LLVM unrolls the 16 stripes and vectorises across lanes, scramble
-    # included; 1.5x faster on data in cache than stripe by stripe, which loads and
-    # stores every lane each step. But its 256-byte strides within each 4 KiB defeat the
-    # hardware's stream prefetch, so on data coming from memory (large blocks) stripe by
-    # stripe, which reads straight through, is faster.
-    @jit
-    def lane_by_lane(acc: np.ndarray, words: np.ndarray,
-                     secret: np.ndarray) -> None:  # pragma: no cover (machine code)
+    @numba.njit(signatures, nogil=True, boundscheck=False, error_model="numpy")
+    def compiled(words: np.ndarray, secret: np.ndarray, tail: int,
+                 nbytes: int) -> int:  # pragma: no cover (runs as machine code)
+        acc = np.empty(32, np.uint64)
+        for i in range(32):
+            acc[i] = secret[16 + i] ^ prime_a
         stripes = words.shape[0] // 32
-        groups = stripes // 16
-        for g in range(groups):
-            base = g * 512
-            for i in range(32):
-                a = acc[i]
-                for k in range(16):
-                    d = words[base + k * 32 + i]
-                    dk = d ^ secret[k + i]
-                    a += d + (dk & mask) * (dk >> shift)
-                acc[i] = (a ^ (a >> shift47) ^ secret[i]) * prime32
-        for s in range(groups * 16, stripes):  # the last, partial group: no scramble
-            base = s * 32
-            for i in range(32):
-                d = words[base + i]
-                dk = d ^ secret[(s & 15) + i]
-                acc[i] += d + (dk & mask) * (dk >> shift)
-
-    @jit
-    def stripe_by_stripe(acc: np.ndarray, words: np.ndarray,
-                         secret: np.ndarray) -> None:  # pragma: no cover (machine code)
-        for s in range(words.shape[0] // 32):
+        for s in range(stripes):
             base = s * 32
             k = s & 15
             for i in range(32):
@@ -142,22 +116,6 @@ def _compile() -> object:
                 for i in range(32):
                     a = acc[i]
                     acc[i] = (a ^ (a >> shift47) ^ secret[i]) * prime32
-
-    # The numpy path above, plus _fold; tests hold the two together.
-    signatures = [uint64(types.Array(uint64, 1, "C", readonly=readonly), uint64[::1],
-                         uint64, uint64) for readonly in (False, True)]
-
-    @numba.njit(signatures, nogil=True, boundscheck=False, error_model="numpy")
-    def compiled(words: np.ndarray, secret: np.ndarray, tail: int,
-                 nbytes: int) -> int:  # pragma: no cover (runs as machine code)
-        acc = np.empty(32, np.uint64)
-        for i in range(32):
-            acc[i] = secret[16 + i] ^ prime_a
-        if words.shape[0] * 8 < stream_bytes:
-            lane_by_lane(acc, words, secret)
-        else:
-            stripe_by_stripe(acc, words, secret)
-        stripes = words.shape[0] // 32
         h = nbytes * prime_a
         for i in range(32):
             h = (h ^ acc[i]) * prime_b

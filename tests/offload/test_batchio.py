@@ -148,3 +148,36 @@ def test_addresses_of_writable_and_read_only_buffers():
     assert batchio.address(row[64:]) == want + 64
     assert batchio.address(row.toreadonly()[64:]) == want + 64
     assert batchio.address(row[:0]) == 0
+
+
+def test_a_compile_failure_at_import_leaves_the_python_path_not_a_broken_import(tmp_path):
+    import subprocess
+    import sys
+
+    # The warm-up call through the wrappers is the first to compile for real arguments;
+    # make numba refuse it and the backend must still import, store and load.
+    code = f"""
+from numba.core import dispatcher
+real = dispatcher.Dispatcher._compile_for_args
+def refuse(self, *args, **kws):
+    if self.py_func.__name__ in ("read_batch", "write_batch"):
+        raise RuntimeError("no compiler here")
+    return real(self, *args, **kws)
+dispatcher.Dispatcher._compile_for_args = refuse
+from kvtier_offload import batchio
+from kvtier_offload.store import BlockStore, StoreConfig
+print(batchio.AVAILABLE, batchio.UNAVAILABLE_REASON)
+store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"))
+data = memoryview(bytearray(range(256)) * 1024)
+store.store(1, [(b"k" * 36, data)])
+store.drain()
+dest = memoryview(bytearray(len(data)))
+store.load(2, [(b"k" * 36, dest)])
+store.drain()
+assert [o.success for o in store.finished()] == [True, True] and dest == data
+store.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False RuntimeError: no compiler here")
+    assert "batch I/O unavailable" in out.stderr

@@ -12,9 +12,7 @@ from kvtier_offload import digest as dg
 from kvtier_offload.digest import digest
 
 SIZES = [0, 1, 7, 8, 9, 255, 256, 257, 4095, 4096, 4097, 8192, 65536 + 13, 256 << 10,
-         (1 << 20) + 4,
-         # either side of where the compiled digest changes the order it reads in
-         dg.STREAM_BYTES - 8, dg.STREAM_BYTES, dg.STREAM_BYTES + 4096 + 260 + 3]
+         (1 << 20) + 4, (16 << 20) + 4096 + 260 + 3]
 
 
 @pytest.mark.skipif(not dg.COMPILED, reason="numba not importable here")
@@ -36,8 +34,7 @@ def test_digest_is_pinned_by_the_file_format():
     assert digest(b"") == 0x1E955535A69DE3A0
     assert digest(pattern) == 0x6B95D350CF24389B
     assert digest(pattern, compiled=False) == 0x6B95D350CF24389B
-    large = pattern * 40  # read stripe by stripe where compiled
-    assert len(large) >= dg.STREAM_BYTES
+    large = pattern * 40  # thousands of groups
     assert digest(large) == digest(large, compiled=False) == 0x5214CD997FA48502
 
 
