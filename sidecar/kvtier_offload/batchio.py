@@ -87,6 +87,9 @@ def _build() -> tuple[object, object]:
     c_access = c("access", c_int, word, c_int)
     c_statx = c("statx", c_int, c_int, word, c_int, ctypes.c_uint, word)
     digest_words = payload_digest.digest_words
+    digest_start = payload_digest.digest_start
+    digest_absorb = payload_digest.digest_absorb
+    digest_finish = payload_digest.digest_finish
 
     @intrinsic
     def words_at(typingctx: object, address: object) -> object:  # pragma: no cover
@@ -136,6 +139,35 @@ def _build() -> tuple[object, object]:
         return digest_words(words, secret, np.uint64(0), np.uint64(size))
 
     @numba.njit(nogil=True)
+    def in_pieces(fd: int, header: int, payload: int, size: int, piece: int, write: bool,
+                  secret: np.ndarray, digest: np.ndarray) -> bool:  # pragma: no cover
+        # A large payload piece by piece, each hashed while in cache (a store hashes it
+        # before writing it, a load after reading it), so its bytes come from memory once,
+        # not twice. A store writes the header, digest filled in, last; a load reads it
+        # with the first piece. piece: a multiple of 4 KiB.
+        lanes = digest_start(secret)
+        done = 0
+        if not write:
+            first = min(piece, size)
+            if not header_and_payload(fd, header, payload, first, False):
+                return False
+        while done < size:
+            n = min(piece, size - done)
+            if not write and done and not transfer(fd, payload + done, n, 4096 + done, False):
+                return False
+            digest_absorb(lanes, numba.carray(words_at(payload + done), n // 8), secret)
+            if write and not transfer(fd, payload + done, n, 4096 + done, True):
+                return False
+            done += n
+        cut = size // 256 * 256  # after the last whole stripe: only the last piece has one
+        digest[0] = digest_finish(lanes, numba.carray(words_at(payload + cut), (size - cut) // 8),
+                                  np.uint64(0), np.uint64(size))
+        if write:
+            numba.carray(words_at(header), 4096 // 8)[DIGEST_OFFSET // 8] = digest[0]
+            return transfer(fd, header, 4096, 0, True)
+        return True
+
+    @numba.njit(nogil=True)
     def header_expected(got: np.ndarray, want: np.ndarray, first: int) -> bool:  # pragma: no cover
         # Every word as expected except the payload digest, checked against the payload.
         digest_word = first + DIGEST_OFFSET // 8
@@ -147,17 +179,24 @@ def _build() -> tuple[object, object]:
     @numba.njit(nogil=True)
     def read_batch(paths: np.ndarray, starts: np.ndarray, dests: np.ndarray,
                    sizes: np.ndarray, headers: np.ndarray, expected: np.ndarray, flags: int,
-                   secret: np.ndarray, status: np.ndarray,
+                   piece: int, secret: np.ndarray, status: np.ndarray,
                    last_used: np.ndarray) -> None:  # pragma: no cover
         got, want = headers.view(np.uint64), expected.view(np.uint64)
         stx = np.zeros(256 // 8, np.int64)
+        digest = np.zeros(1, np.uint64)
         for i in range(starts.shape[0]):
             status[i] = 1
             fd = c_open(paths.ctypes.data + starts[i], flags, 0)
             if fd < 0:
                 continue
-            whole = header_and_payload(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i],
-                                       False)
+            if 0 < piece < sizes[i]:
+                whole = in_pieces(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i], piece,
+                                  False, secret, digest)
+            else:
+                whole = header_and_payload(fd, headers.ctypes.data + i * 4096, dests[i],
+                                           sizes[i], False)
+                if whole:
+                    digest[0] = digest_at(dests[i], sizes[i], secret)
             if whole and c_statx(fd, empty.ctypes.data, _AT_EMPTY_PATH,
                                  _STATX_ATIME | _STATX_MTIME, stx.ctypes.data) == 0:
                 atime = stx[_STATX_ATIME_AT // 8] * 10**9 + (stx[_STATX_ATIME_AT // 8 + 1]
@@ -168,28 +207,35 @@ def _build() -> tuple[object, object]:
             c_close(fd)  # read-only: nothing to lose on a failed close
             first = i * (HEADER_SIZE // 8)
             if whole and header_expected(got, want, first) and got[
-                    first + DIGEST_OFFSET // 8] == digest_at(dests[i], sizes[i], secret):
+                    first + DIGEST_OFFSET // 8] == digest[0]:
                 status[i] = 0
 
     @numba.njit(nogil=True)
     def write_batch(tmps: np.ndarray, tmp_starts: np.ndarray, finals: np.ndarray,
                     final_starts: np.ndarray, datas: np.ndarray, sizes: np.ndarray,
-                    headers: np.ndarray, flags: int, fsync: bool, secret: np.ndarray,
-                    status: np.ndarray) -> None:  # pragma: no cover
+                    headers: np.ndarray, flags: int, fsync: bool, piece: int,
+                    secret: np.ndarray, status: np.ndarray) -> None:  # pragma: no cover
         digest_slots = headers.view(np.uint64)
+        digest = np.zeros(1, np.uint64)
         for i in range(tmp_starts.shape[0]):
             status[i] = 1
             final = finals.ctypes.data + final_starts[i]
             if c_access(final, 0) == 0:  # another writer got there first: same bytes
                 status[i] = 2
                 continue
-            digest_slots[(i * 4096 + 24) // 8] = digest_at(datas[i], sizes[i], secret)
+            pieces = 0 < piece < sizes[i]
+            if not pieces:
+                digest_slots[(i * 4096 + 24) // 8] = digest_at(datas[i], sizes[i], secret)
             tmp = tmps.ctypes.data + tmp_starts[i]
             fd = c_open(tmp, flags, 0o664)
             if fd < 0:
                 continue
-            ok = header_and_payload(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i],
-                                    True)
+            if pieces:
+                ok = in_pieces(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i], piece,
+                               True, secret, digest)
+            else:
+                ok = header_and_payload(fd, headers.ctypes.data + i * 4096, datas[i],
+                                        sizes[i], True)
             if ok and fsync:
                 ok = c_fdatasync(fd) == 0
             ok = c_close(fd) == 0 and ok  # NFS reports ENOSPC at close
@@ -219,13 +265,22 @@ def eligible(buffer: memoryview, direct: bool) -> bool:
     return not direct or (len(buffer) % 4096 == 0 and address(buffer) % 4096 == 0)
 
 
+def _check_piece(piece: int) -> None:
+    if piece < 0 or piece % 4096:
+        raise ValueError(f"piece must be 0 or a multiple of 4096, not {piece}")
+
+
 def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
-               expected: memoryview, direct: bool) -> tuple[np.ndarray, np.ndarray]:
+               expected: memoryview, direct: bool,
+               piece: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Read each file's header into headers[i * 4096:] and its payload into dests[i], and
     check them: the header must equal expected[i * 4096:] but for its digest field, which
     must equal the payload's digest. Returns (status, last use): DONE where all of that
     holds, else NOT_DONE; last use is the later of the file's atime and mtime in ns, 0
-    where statx could not say. With direct, dests and headers must be 4 KiB aligned."""
+    where statx could not say. With direct, dests and headers must be 4 KiB aligned.
+    piece: payloads larger than this move in pieces of it (a multiple of 4 KiB), each
+    hashed while in cache; 0: one read per file (what a device wants)."""
+    _check_piece(piece)
     n = len(paths)
     raw, starts = _c_strings(paths)
     status = np.ones(n, dtype=np.int64)
@@ -234,16 +289,17 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
     sizes = np.array([len(d) for d in dests], dtype=np.int64)
     _read_batch(raw, starts, _addresses(dests), sizes,  # type: ignore[misc]
                 np.frombuffer(headers, np.uint8), np.frombuffer(expected, np.uint8), flags,
-                payload_digest.SECRET, status, last_used)
+                piece, payload_digest.SECRET, status, last_used)
     return status, last_used
 
 
 def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
-                headers: memoryview, direct: bool, fsync: bool) -> np.ndarray:
+                headers: memoryview, direct: bool, fsync: bool, piece: int = 0) -> np.ndarray:
     """Write each block to its temp name (header from headers[i * 4096:], its digest
     filled in here; then the payload), close, and rename it to its final name. Returns
     per block DONE, EXISTS (its final name was already there: nothing written) or
-    NOT_DONE; a block not done leaves no file behind."""
+    NOT_DONE; a block not done leaves no file behind. piece: as for read_files."""
+    _check_piece(piece)
     tmp_raw, tmp_starts = _c_strings(tmps)
     final_raw, final_starts = _c_strings(finals)
     status = np.ones(len(tmps), dtype=np.int64)
@@ -252,7 +308,7 @@ def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memo
     sizes = np.array([len(d) for d in datas], dtype=np.int64)
     _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
                  _addresses(datas), sizes, np.frombuffer(headers, np.uint8), flags, fsync,
-                 payload_digest.SECRET, status)
+                 piece, payload_digest.SECRET, status)
     return status
 
 

@@ -83,7 +83,7 @@ def _lanes_numpy(words: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _compile() -> object:
+def _compile() -> tuple[object, object, object]:
     import numba
     from numba import types, uint64
 
@@ -93,19 +93,25 @@ def _compile() -> object:
     mask, shift, shift47 = uint64(0xFFFFFFFF), uint64(32), uint64(47)
     prime32, prime_a, prime_b = uint64(_PRIME_32), uint64(_PRIME_A), uint64(_PRIME_B)
     fmix = uint64(0xFF51AFD7ED558CCD)
+    jit = numba.njit(nogil=True, boundscheck=False, error_model="numpy")
 
-    # The numpy path above, line for line, plus _fold; tests hold the two together.
-    signatures = [uint64(types.Array(uint64, 1, "C", readonly=readonly), uint64[::1],
-                         uint64, uint64) for readonly in (False, True)]
-
-    @numba.njit(signatures, nogil=True, boundscheck=False, error_model="numpy")
-    def compiled(words: np.ndarray, secret: np.ndarray, tail: int,
-                 nbytes: int) -> int:  # pragma: no cover (runs as machine code)
+    # The numpy path above, line for line, plus _fold; tests hold the two together. In
+    # parts, so that a writer or reader can hash a large block piece by piece, each piece
+    # while it is in cache: lanes = start(); absorb(lanes, words) for each piece in order
+    # (whole groups but the last); finish(lanes, the words after the last whole stripe).
+    @jit
+    def start(secret: np.ndarray) -> np.ndarray:  # pragma: no cover (machine code)
         acc = np.empty(32, np.uint64)
         for i in range(32):
             acc[i] = secret[16 + i] ^ prime_a
-        stripes = words.shape[0] // 32
-        for s in range(stripes):
+        return acc
+
+    @jit
+    def absorb(acc: np.ndarray, words: np.ndarray,
+               secret: np.ndarray) -> None:  # pragma: no cover (machine code)
+        # The whole stripes of words, which start a group of the block: every call but
+        # the last must bring whole groups (4 KiB).
+        for s in range(words.shape[0] // 32):
             base = s * 32
             k = s & 15
             for i in range(32):
@@ -116,12 +122,16 @@ def _compile() -> object:
                 for i in range(32):
                     a = acc[i]
                     acc[i] = (a ^ (a >> shift47) ^ secret[i]) * prime32
+
+    @jit
+    def finish(acc: np.ndarray, rest: np.ndarray, tail: int,
+               nbytes: int) -> int:  # pragma: no cover (machine code)
         h = nbytes * prime_a
         for i in range(32):
             h = (h ^ acc[i]) * prime_b
             h ^= h >> shift
-        for j in range(stripes * 32, words.shape[0]):
-            h = (h ^ words[j]) * prime_b
+        for j in range(rest.shape[0]):
+            h = (h ^ rest[j]) * prime_b
             h ^= h >> shift
         if nbytes % uint64(8):
             h = (h ^ tail) * prime_b
@@ -131,16 +141,30 @@ def _compile() -> object:
         h ^= h >> uint64(33)
         return h
 
-    return compiled
+    signatures = [uint64(types.Array(uint64, 1, "C", readonly=readonly), uint64[::1],
+                         uint64, uint64) for readonly in (False, True)]
+
+    @numba.njit(signatures, nogil=True, boundscheck=False, error_model="numpy")
+    def whole(words: np.ndarray, secret: np.ndarray, tail: int,
+              nbytes: int) -> int:  # pragma: no cover (runs as machine code)
+        acc = start(secret)
+        cut = words.shape[0] // 32 * 32
+        absorb(acc, words[:cut], secret)
+        return finish(acc, words[cut:], tail, nbytes)
+
+    return whole, start, absorb, finish
 
 
 # The machine-code digest of whole words, (words, SECRET, tail word, nbytes) -> digest;
 # callable from other numba code (batchio), or None where numba is not usable.
+# Its parts, for numba code that hashes a block piece by piece (see _compile):
+# digest_start(SECRET) -> lanes; digest_absorb(lanes, words, SECRET) for each piece in
+# order, 4 KiB multiples but the last; digest_finish(lanes, rest words, tail, nbytes).
 try:
-    digest_words = _compile()
+    digest_words, digest_start, digest_absorb, digest_finish = _compile()
     UNCOMPILED_REASON = ""
 except Exception as err:  # numba missing, or cannot compile for this CPU
-    digest_words = None
+    digest_words = digest_start = digest_absorb = digest_finish = None
     UNCOMPILED_REASON = f"{type(err).__name__}: {err}"
 COMPILED = digest_words is not None
 

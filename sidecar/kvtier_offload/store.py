@@ -44,6 +44,7 @@ BACKOFF_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.ERO
                   errno.EPERM}
 ALIGN = 4096
 BATCH_BYTES = 8 << 20  # a batch task moves at most this much (at least one block)
+PIECE = 512 << 10  # larger blocks move in pieces of this on memory-speed volumes
 
 
 @dataclass
@@ -220,8 +221,12 @@ class BlockStore:
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
         self._logged: set[str] = set()
         self._closed = False
+        memory_speed = probe_memory_speed(self.layout.base, self.o_direct)
+        # Where files move at memory speed, large blocks go piece by piece, each hashed
+        # while in cache; a device or network wants one large I/O per file instead.
+        self._piece = PIECE if memory_speed else 0
         limit = config.io_threads
-        if not limit and probe_memory_speed(self.layout.base, self.o_direct):
+        if not limit and memory_speed:
             limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                 os.cpu_count() or 1)
         reads, writes = config.read_threads, config.write_threads
@@ -511,7 +516,8 @@ class BlockStore:
         token = secrets.token_hex(8)
         status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
-                                      memoryview(headers), self.o_direct, self.cfg.fsync)
+                                      memoryview(headers), self.o_direct, self.cfg.fsync,
+                                      self._piece)
         seconds = time.monotonic() - began
         settled: list[tuple[int, bool, int]] = []
         written: list[bytes] = []
@@ -723,7 +729,7 @@ class BlockStore:
         began = time.monotonic()
         status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
                                                memoryview(headers), memoryview(expected),
-                                               self.o_direct)
+                                               self.o_direct, self._piece)
         seconds = time.monotonic() - began
         served = np.flatnonzero(status == batchio.DONE).tolist()
         if not served:

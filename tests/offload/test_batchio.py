@@ -181,3 +181,50 @@ store.close()
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("False RuntimeError: no compiler here")
     assert "batch I/O unavailable" in out.stderr
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("size", [SIZE, SIZE + 3 * 4096, SIZE + 24])
+def test_pieces_write_the_same_files_and_read_them_back(tmp_path, direct, size):
+    if direct and (size % 4096 or not hasattr(os, "O_DIRECT")):
+        pytest.skip("O_DIRECT takes whole 4 KiB blocks only")
+    src = rows(1, size + (-size % 4096), seed=16)[0][:size]
+    whole = [str(tmp_path / "whole.kvb")]
+    pieces = [str(tmp_path / "pieces.kvb")]
+    status = batchio.write_files([whole[0] + ".tmp"], whole, [src], expected([src]), direct,
+                                 False)
+    if direct and (status != batchio.DONE).all():
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert list(status) == [batchio.DONE]
+    assert list(batchio.write_files([pieces[0] + ".tmp"], pieces, [src], expected([src]),
+                                    direct, False, piece=8192)) == [batchio.DONE]
+    raw = open(pieces[0], "rb").read()
+    assert raw == open(whole[0], "rb").read()  # same bytes, header digest included
+    assert decode_header(raw[:HEADER_SIZE], FP, KEYS[0], size) == digest(src)
+    for piece in (0, 8192, 4096):
+        dest = rows(1, size + (-size % 4096), seed=17)[0][:size]
+        status, _ = batchio.read_files(pieces, [dest], headers(1), expected([src]), direct,
+                                       piece=piece)
+        assert list(status) == [batchio.DONE] and bytes(dest) == bytes(src)
+
+
+@pytest.mark.parametrize("at", [HEADER_SIZE, HEADER_SIZE + SIZE // 2, HEADER_SIZE + SIZE - 1])
+def test_damage_in_any_piece_is_not_done(tmp_path, at):
+    src = rows(1, SIZE, seed=18)
+    _, finals = write(tmp_path, src)
+    with open(finals[0], "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x80]))
+    status, _ = batchio.read_files(finals, rows(1, SIZE), headers(1), expected(src), False,
+                                   piece=8192)
+    assert list(status) == [batchio.NOT_DONE]
+
+
+def test_a_piece_is_whole_pages():
+    none = memoryview(bytearray(0))
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        batchio.read_files([], [], none, none, False, piece=1000)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        batchio.write_files([], [], [], none, False, False, piece=-4096)

@@ -124,3 +124,16 @@ def test_numba_with_its_jit_disabled_counts_as_missing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "NUMBA_DISABLE_JIT": "1"})
     assert out.stdout.split() == ["False", "False"]  # not Python stand-ins that would fail
+
+
+@pytest.mark.skipif(not dg.COMPILED, reason="numba not importable here")
+def test_the_parts_piece_by_piece_give_the_whole_digest():
+    words = np.random.default_rng(5).integers(0, 2**63, (5 * 4096 + 40) // 8, dtype=np.uint64)
+    nbytes = np.uint64(len(words) * 8)
+    want = dg.digest_words(words, dg.SECRET, np.uint64(0), nbytes)
+    for piece in (4096, 8192, 12288):
+        lanes = dg.digest_start(dg.SECRET)
+        for at in range(0, len(words), piece // 8):
+            dg.digest_absorb(lanes, words[at:at + piece // 8], dg.SECRET)
+        cut = len(words) // 32 * 32
+        assert dg.digest_finish(lanes, words[cut:], np.uint64(0), nbytes) == want

@@ -440,6 +440,22 @@ def test_a_block_the_batch_cannot_finish_goes_the_python_way(make_store):
     assert outcome.ok == [True, True, False]
 
 
+@pytest.mark.skipif(not batchio.AVAILABLE, reason=batchio.UNAVAILABLE_REASON or "-")
+def test_blocks_in_pieces_round_trip_and_damage_is_refused(make_store):
+    store = make_store()
+    store._piece = 8192  # what a memory-speed volume gets (512 KiB), at test size
+    ks, src = keys(3), rows(3, SIZE, seed=81)
+    assert run_store(store, 1, list(zip(ks, src))).success
+    plain = make_store(batch_io=False)  # the Python path reads what pieces wrote
+    dest = rows(3, SIZE, seed=82)
+    assert run_load(plain, 2, list(zip(ks, dest))).success
+    assert [bytes(d) for d in dest] == [bytes(s) for s in src]
+    _corrupt(store.layout.path(ks[2]), "payload-flip")
+    dest = rows(3, SIZE, seed=83)
+    assert run_load(store, 3, list(zip(ks, dest))).ok == [True, True, False]
+    assert [bytes(d) for d in dest[:2]] == [bytes(s) for s in src[:2]]
+
+
 @pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
 def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store, monkeypatch,
                                                                      batch_io):
