@@ -53,3 +53,21 @@ def run_load(store: BlockStore, job_id: int, items) -> object:
     assert store.drain(30)
     (outcome,) = [o for o in store.finished() if o.job_id == job_id]
     return outcome
+
+
+def round_trip_source(root: str) -> str:
+    """Python source that stores one block through a fresh BlockStore under root and
+    loads it back (assert included), for tests that must run it in a process of their
+    own (numba missing, refusing to compile...); `store` is left closed."""
+    return f"""
+from kvtier_offload.store import BlockStore, StoreConfig
+store = BlockStore(StoreConfig(root={root!r}, fingerprint={FP!r}))
+data = memoryview(bytearray(range(256)) * 1024)
+store.store(1, [(b"k" * 36, data)])
+store.drain()
+dest = memoryview(bytearray(len(data)))
+store.load(2, [(b"k" * 36, dest)])
+store.drain()
+assert [o.success for o in store.finished()] == [True, True] and dest == data
+store.close()
+"""

@@ -12,7 +12,7 @@ import pytest
 from kvtier_offload import batchio
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, decode_header, encode_header
-from tests.offload.conftest import FP, rows
+from tests.offload.conftest import FP, round_trip_source, rows
 
 pytestmark = pytest.mark.skipif(not batchio.AVAILABLE,
                                 reason=batchio.UNAVAILABLE_REASON or "-")
@@ -156,7 +156,7 @@ def test_a_compile_failure_at_import_leaves_the_python_path_not_a_broken_import(
 
     # The warm-up call through the wrappers is the first to compile for real arguments;
     # make numba refuse it and the backend must still import, store and load.
-    code = f"""
+    code = """
 from numba.core import dispatcher
 real = dispatcher.Dispatcher._compile_for_args
 def refuse(self, *args, **kws):
@@ -165,18 +165,8 @@ def refuse(self, *args, **kws):
     return real(self, *args, **kws)
 dispatcher.Dispatcher._compile_for_args = refuse
 from kvtier_offload import batchio
-from kvtier_offload.store import BlockStore, StoreConfig
 print(batchio.AVAILABLE, batchio.UNAVAILABLE_REASON)
-store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"))
-data = memoryview(bytearray(range(256)) * 1024)
-store.store(1, [(b"k" * 36, data)])
-store.drain()
-dest = memoryview(bytearray(len(data)))
-store.load(2, [(b"k" * 36, dest)])
-store.drain()
-assert [o.success for o in store.finished()] == [True, True] and dest == data
-store.close()
-"""
+""" + round_trip_source(str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("False RuntimeError: no compiler here")

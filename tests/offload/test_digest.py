@@ -10,6 +10,7 @@ import pytest
 
 from kvtier_offload import digest as dg
 from kvtier_offload.digest import digest
+from tests.offload.conftest import round_trip_source
 
 SIZES = [0, 1, 7, 8, 9, 255, 256, 257, 4095, 4096, 4097, 8192, 65536 + 13, 256 << 10,
          (1 << 20) + 4, (16 << 20) + 4096 + 260 + 3]
@@ -88,21 +89,12 @@ def test_without_numba_the_backend_writes_and_reads_the_same_files(tmp_path):
     import subprocess
     import sys
 
-    code = f"""
+    code = """
 import sys
 sys.modules["numba"] = None  # import numba now fails
 from kvtier_offload import digest, batchio
-from kvtier_offload.store import BlockStore, StoreConfig
 assert not digest.COMPILED and not batchio.AVAILABLE
-store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"))
-data = memoryview(bytearray(range(256)) * 1024)
-store.store(1, [(b"k" * 36, data)])
-store.drain()
-dest = memoryview(bytearray(len(data)))
-store.load(2, [(b"k" * 36, dest)])
-store.drain()
-assert [o.success for o in store.finished()] == [True, True] and dest == data
-store.close()
+""" + round_trip_source(str(tmp_path)) + """
 print(store.layout.path(b"k" * 36))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
