@@ -159,7 +159,7 @@ def _build() -> tuple[object, object]:
             if write and not transfer(fd, payload + done, n, 4096 + done, True):
                 return False
             done += n
-        cut = size // 256 * 256  # after the last whole stripe: only the last piece has one
+        cut = size // 256 * 256  # words past the last whole stripe (of the last piece)
         digest[0] = digest_finish(lanes, numba.carray(words_at(payload + cut), (size - cut) // 8),
                                   np.uint64(0), np.uint64(size))
         if write:
