@@ -37,6 +37,27 @@ class _Noop:
         pass
 
 
+def observe_many(histogram: Any, value: float, count: int) -> None:
+    """count observations of one value (the blocks of a batch share its time) at the
+    cost of one: observe() per block cost 1.3 us, a tenth of a block's Python time.
+    Goes through prometheus-client's bucket counters where they are as in 0.12-0.26,
+    else falls back to observe() count times."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    if count <= 0:
+        return
+    total.inc(value * count)
+    for bound, bucket in zip(bounds, buckets, strict=True):
+        if value <= bound:
+            bucket.inc(count)
+            break
+
+
 def _get(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
     if prom is None:
         return _Noop()

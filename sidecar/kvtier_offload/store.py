@@ -32,11 +32,12 @@ from kvtier_offload.fileformat import (
     BadBlock,
     decode_header,
     encode_header,
+    encode_headers,
     padded,
 )
 from kvtier_offload.iopool import IOPool
 from kvtier_offload.layout import Layout
-from kvtier_offload.metrics import Metrics
+from kvtier_offload.metrics import Metrics, observe_many
 
 log = logging.getLogger("kvtier_offload")
 
@@ -508,10 +509,10 @@ class BlockStore:
         if not native:
             return
         headers = self._buffer(len(native) * HEADER_SIZE, "headers")
-        for n, (_, key, data, path) in enumerate(native):
+        for _, _, _, path in native:
             self._ensure_parent(path)
-            headers[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
-                self.layout.fingerprint, key, len(data), 0)
+        encode_headers(self.layout.fingerprint, [k for _, k, _, _ in native],
+                       [len(d) for _, _, d, _ in native], memoryview(headers))
         began = time.monotonic()
         token = secrets.token_hex(8)
         status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
@@ -604,9 +605,8 @@ class BlockStore:
         self._remember_all(keys, True)
         self.metrics.store_ok.inc(len(keys))
         self.metrics.store_bytes.inc(sum(sizes))
-        share = seconds / len(keys)  # each block's latency, on average
-        for _ in keys:
-            self.metrics.store_latency.observe(share)
+        # each block's latency, on average
+        observe_many(self.metrics.store_latency, seconds / len(keys), len(keys))
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
@@ -721,11 +721,10 @@ class BlockStore:
         Python path (not settled), which reads it again and says why."""
         headers = self._buffer(len(batch) * HEADER_SIZE, "headers")
         expected = self._buffer(len(batch) * HEADER_SIZE, "expected")
-        paths = []
-        for n, (_, key, dest) in enumerate(batch):
-            expected[n * HEADER_SIZE:(n + 1) * HEADER_SIZE] = encode_header(
-                self.layout.fingerprint, key, len(dest), 0)
-            paths.append(self.layout.path(key))
+        keys = [key for _, key, _ in batch]
+        encode_headers(self.layout.fingerprint, keys, [len(d) for _, _, d in batch],
+                       memoryview(expected))
+        paths = [self.layout.path(key) for key in keys]
         began = time.monotonic()
         status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
                                                memoryview(headers), memoryview(expected),
@@ -745,9 +744,8 @@ class BlockStore:
         self._remember_all([batch[n][1] for n in served], True)
         self.metrics.load_ok.inc(len(served))
         self.metrics.load_bytes.inc(sum(size for _, _, size in results))
-        share = seconds / len(batch)  # each block's latency, on average
-        for _ in served:
-            self.metrics.load_latency.observe(share)
+        # each block's latency, on average
+        observe_many(self.metrics.load_latency, seconds / len(batch), len(served))
         settled.update(index for index, _, _ in results)
         self._done_all(job, results)
 

@@ -13,7 +13,14 @@ import pytest
 
 from kvtier_evictor.layouts import KVTIER, Kind
 from kvtier_offload import batchio
-from kvtier_offload.fileformat import HEADER_SIZE, MAGIC, BadBlock, decode_header, encode_header
+from kvtier_offload.fileformat import (
+    HEADER_SIZE,
+    MAGIC,
+    BadBlock,
+    decode_header,
+    encode_header,
+    encode_headers,
+)
 from kvtier_offload.layout import Layout, fingerprint
 from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
 from tests.offload.conftest import FP, keys, rows, run_load, run_store
@@ -483,6 +490,57 @@ def test_a_read_only_destination_is_never_written(make_store):
     frozen = memoryview(backing).toreadonly()
     assert not run_load(store, 2, [(ks[0], frozen)]).success
     assert bytes(frozen) == bytes(SIZE)
+
+
+@pytest.mark.parametrize("case", ["same", "key lengths differ", "payload lengths differ"])
+def test_a_batch_of_headers_is_the_headers_one_by_one(case):
+    ks = keys(7) if case != "key lengths differ" else [*keys(3), b"short", *keys(3, b"x")]
+    sizes = [4096 * (1 + (i if case == "payload lengths differ" else 0)) for i in range(7)]
+    out = mmap.mmap(-1, 8 * HEADER_SIZE)
+    out[:] = b"\xff" * len(out)  # a reused buffer: stale bytes must not survive
+    encode_headers(FP, ks, sizes, memoryview(out))
+    assert out[:7 * HEADER_SIZE] == b"".join(
+        encode_header(FP, k, n, 0) for k, n in zip(ks, sizes, strict=True))
+    assert out[7 * HEADER_SIZE:] == b"\xff" * HEADER_SIZE  # nothing past the batch
+
+
+def test_observe_many_counts_like_observe_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from kvtier_offload.metrics import LATENCY_BUCKETS, observe_many
+
+    def samples(record) -> dict[tuple[str, str], float]:
+        registry = CollectorRegistry()
+        histogram = Histogram("h", "h", ("d",), buckets=LATENCY_BUCKETS, registry=registry)
+        record(histogram.labels("load"))
+        return {(s.name, s.labels.get("le", "")): s.value for metric in registry.collect()
+                for s in metric.samples if not s.name.endswith("_created")}
+
+    values = [(0.0003, 5), (0.0005, 2), (0.007, 31), (3.0, 1), (99.0, 4), (0.01, 0)]
+
+    def one_by_one(child) -> None:
+        for value, count in values:
+            for _ in range(count):
+                child.observe(value)
+
+    def many(child) -> None:
+        for value, count in values:
+            observe_many(child, value, count)
+
+    got, want = samples(many), samples(one_by_one)
+    assert got.keys() == want.keys() and len(got) == len(LATENCY_BUCKETS) + 3  # +Inf
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+
+    class Plain:  # no prometheus-client internals: observe() count times
+        seen: list[float] = []
+
+        def observe(self, value: float) -> None:
+            self.seen.append(value)
+
+    plain = Plain()
+    observe_many(plain, 0.5, 3)
+    assert plain.seen == [0.5, 0.5, 0.5]
 
 
 def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
