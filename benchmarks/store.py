@@ -127,8 +127,8 @@ def compare(base: str, label: str) -> None:
     raw_w, raw_r = median([w for w, _ in raw]), median([r for _, r in raw])
     print(f"raw (one O_DIRECT stream): write {raw_w:.2f} GB/s, read {raw_r:.2f} GB/s\n")
     print("| block | vLLM fs store | kvtier store | ratio | vLLM fs load | kvtier load | ratio |"
-          " kvtier/raw store | kvtier/raw load |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " kvtier/raw store | kvtier/raw load | store ratio by round | load ratio by round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for block in BLOCK_SIZES:
         n = max(TOTAL // block, 1)
         arena = mmap.mmap(-1, ARENA_ROWS * block)
@@ -148,9 +148,16 @@ def compare(base: str, label: str) -> None:
         v_load = median([x for _, x in results["vllm"]])
         k_store = median([s for s, _ in results["kvtier"]])
         k_load = median([x for _, x in results["kvtier"]])
+        # The two ran back to back in each round: the spread of these says how far the
+        # medians can be trusted on a machine whose speed drifts.
+        pairs = list(zip(results["kvtier"], results["vllm"], strict=True))
+        store_rounds = sorted(k[0] / v[0] for k, v in pairs)
+        load_rounds = sorted(k[1] / v[1] for k, v in pairs)
         print(f"| {block >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
               f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
-              f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} |")
+              f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} | "
+              f"{store_rounds[0]:.2f}-{store_rounds[-1]:.2f} | "
+              f"{load_rounds[0]:.2f}-{load_rounds[-1]:.2f} |")
 
 
 def main() -> None:
