@@ -39,6 +39,27 @@ def test_digest_is_pinned_by_the_file_format():
     assert digest(large) == digest(large, compiled=False) == 0x5214CD997FA48502
 
 
+@pytest.mark.skipif(not dg.COMPILED, reason="numba not importable here")
+@pytest.mark.parametrize("cpu", ["haswell", "x86-64"])
+def test_builds_for_narrower_cpus_give_the_same_digests(cpu):
+    # The stripe loop is vector IR that LLVM splits for whatever SIMD the host has: an
+    # AVX2 or a baseline SSE2 build must give the digests this (widest) one does.
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 CPU names")
+    code = ("import numba, numpy as np; from kvtier_offload import digest as dg; "
+            f"assert dg.COMPILED and numba.config.CPU_NAME == {cpu!r}; "
+            f"print(*(dg.digest(np.random.default_rng(n).bytes(n)) for n in {SIZES}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "NUMBA_CPU_NAME": cpu,
+                                          "NUMBA_CPU_FEATURES": ""})
+    here = [digest(np.random.default_rng(n).bytes(n)) for n in SIZES]
+    assert [int(x) for x in out.stdout.split()] == here
+
+
 def test_any_address_and_buffer_type_give_the_same_digest():
     data = np.random.default_rng(3).bytes(70_000)
     shifted = memoryview(bytearray(b"?" + data))[1:]  # not 8-byte aligned
