@@ -31,6 +31,7 @@ DONE = 0
 NOT_DONE = 1
 EXISTS = 2  # a store whose final name was already there: nothing written
 _AT_EMPTY_PATH, _STATX_ATIME, _STATX_MTIME = 0x1000, 0x20, 0x40
+_CLOCK_MONOTONIC = 1
 _STATX_ATIME_AT, _STATX_MTIME_AT = 64, 112  # struct statx is the same on every arch
 
 
@@ -86,6 +87,7 @@ def _build() -> tuple[object, object]:
     c_unlink = c("unlink", c_int, word)
     c_access = c("access", c_int, word, c_int)
     c_statx = c("statx", c_int, c_int, word, c_int, ctypes.c_uint, word)
+    c_clock_gettime = c("clock_gettime", c_int, c_int, word)  # the vDSO: ~20 ns
     digest_words = payload_digest.digest_words
     digest_start = payload_digest.digest_start
     digest_absorb = payload_digest.digest_absorb
@@ -168,6 +170,11 @@ def _build() -> tuple[object, object]:
         return True
 
     @numba.njit(nogil=True)
+    def now_ns(timespec: np.ndarray) -> int:  # pragma: no cover (machine code)
+        c_clock_gettime(_CLOCK_MONOTONIC, timespec.ctypes.data)
+        return timespec[0] * 10**9 + timespec[1]
+
+    @numba.njit(nogil=True)
     def header_expected(got: np.ndarray, want: np.ndarray, first: int) -> bool:  # pragma: no cover
         # Every word as expected except the payload digest, checked against the payload.
         digest_word = first + DIGEST_OFFSET // 8
@@ -180,14 +187,17 @@ def _build() -> tuple[object, object]:
     def read_batch(paths: np.ndarray, starts: np.ndarray, dests: np.ndarray,
                    sizes: np.ndarray, headers: np.ndarray, expected: np.ndarray, flags: int,
                    piece: int, secret: np.ndarray, status: np.ndarray,
-                   last_used: np.ndarray) -> None:  # pragma: no cover
+                   last_used: np.ndarray, elapsed: np.ndarray) -> None:  # pragma: no cover
         got, want = headers.view(np.uint64), expected.view(np.uint64)
         stx = np.zeros(256 // 8, np.int64)
         digest = np.zeros(1, np.uint64)
+        clock = np.zeros(2, np.int64)
         for i in range(starts.shape[0]):
             status[i] = 1
+            began = now_ns(clock)
             fd = c_open(paths.ctypes.data + starts[i], flags, 0)
             if fd < 0:
+                elapsed[i] = now_ns(clock) - began
                 continue
             if 0 < piece < sizes[i]:
                 whole = in_pieces(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i], piece,
@@ -209,19 +219,24 @@ def _build() -> tuple[object, object]:
             if whole and header_expected(got, want, first) and got[
                     first + DIGEST_OFFSET // 8] == digest[0]:
                 status[i] = 0
+            elapsed[i] = now_ns(clock) - began
 
     @numba.njit(nogil=True)
     def write_batch(tmps: np.ndarray, tmp_starts: np.ndarray, finals: np.ndarray,
                     final_starts: np.ndarray, datas: np.ndarray, sizes: np.ndarray,
                     headers: np.ndarray, flags: int, fsync: bool, piece: int,
-                    secret: np.ndarray, status: np.ndarray) -> None:  # pragma: no cover
+                    secret: np.ndarray, status: np.ndarray,
+                    elapsed: np.ndarray) -> None:  # pragma: no cover
         digest_slots = headers.view(np.uint64)
         digest = np.zeros(1, np.uint64)
+        clock = np.zeros(2, np.int64)
         for i in range(tmp_starts.shape[0]):
             status[i] = 1
+            began = now_ns(clock)
             final = finals.ctypes.data + final_starts[i]
             if c_access(final, 0) == 0:  # another writer got there first: same bytes
                 status[i] = 2
+                elapsed[i] = now_ns(clock) - began
                 continue
             pieces = 0 < piece < sizes[i]
             if not pieces:
@@ -229,6 +244,7 @@ def _build() -> tuple[object, object]:
             tmp = tmps.ctypes.data + tmp_starts[i]
             fd = c_open(tmp, flags, 0o664)
             if fd < 0:
+                elapsed[i] = now_ns(clock) - began
                 continue
             if pieces:
                 ok = in_pieces(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i], piece,
@@ -243,6 +259,7 @@ def _build() -> tuple[object, object]:
                 status[i] = 0
             else:
                 c_unlink(tmp)
+            elapsed[i] = now_ns(clock) - began
 
     assert DIGEST_OFFSET == 24 and HEADER_SIZE == 4096  # as compiled above
     return read_batch, write_batch
@@ -271,44 +288,53 @@ def _check_piece(piece: int) -> None:
 
 
 def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
-               expected: memoryview, direct: bool,
-               piece: int = 0) -> tuple[np.ndarray, np.ndarray]:
+               expected: memoryview, direct: bool, piece: int = 0,
+               seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Read each file's header into headers[i * 4096:] and its payload into dests[i], and
     check them: the header must equal expected[i * 4096:] but for its digest field, which
     must equal the payload's digest. Returns (status, last use): DONE where all of that
     holds, else NOT_DONE; last use is the later of the file's atime and mtime in ns, 0
     where statx could not say. With direct, dests and headers must be 4 KiB aligned.
     piece: payloads larger than this move in pieces of it (a multiple of 4 KiB), each
-    hashed while in cache; 0: one read per file (what a device wants)."""
+    hashed while in cache; 0: one read per file (what a device wants). seconds: where
+    given, filled with each block's time (open to close), for the latency histogram."""
     _check_piece(piece)
     n = len(paths)
     raw, starts = _c_strings(paths)
     status = np.ones(n, dtype=np.int64)
     last_used = np.zeros(n, dtype=np.int64)
+    elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     sizes = np.array([len(d) for d in dests], dtype=np.int64)
     _read_batch(raw, starts, _addresses(dests), sizes,  # type: ignore[misc]
                 np.frombuffer(headers, np.uint8), np.frombuffer(expected, np.uint8), flags,
-                piece, payload_digest.SECRET, status, last_used)
+                piece, payload_digest.SECRET, status, last_used, elapsed)
+    if seconds is not None:
+        seconds[:] = elapsed * 1e-9
     return status, last_used
 
 
 def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
-                headers: memoryview, direct: bool, fsync: bool, piece: int = 0) -> np.ndarray:
+                headers: memoryview, direct: bool, fsync: bool, piece: int = 0,
+                seconds: np.ndarray | None = None) -> np.ndarray:
     """Write each block to its temp name (header from headers[i * 4096:], its digest
     filled in here; then the payload), close, and rename it to its final name. Returns
     per block DONE, EXISTS (its final name was already there: nothing written) or
-    NOT_DONE; a block not done leaves no file behind. piece: as for read_files."""
+    NOT_DONE; a block not done leaves no file behind. piece, seconds (here: from the
+    existence check to the rename): as for read_files."""
     _check_piece(piece)
     tmp_raw, tmp_starts = _c_strings(tmps)
     final_raw, final_starts = _c_strings(finals)
     status = np.ones(len(tmps), dtype=np.int64)
+    elapsed = np.zeros(len(tmps), dtype=np.int64)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
     sizes = np.array([len(d) for d in datas], dtype=np.int64)
     _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
                  _addresses(datas), sizes, np.frombuffer(headers, np.uint8), flags, fsync,
-                 piece, payload_digest.SECRET, status)
+                 piece, payload_digest.SECRET, status, elapsed)
+    if seconds is not None:
+        seconds[:] = elapsed * 1e-9
     return status
 
 

@@ -8,7 +8,10 @@ prometheus-client every call is a no-op and the backend works the same.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 try:
     import prometheus_client as prom
@@ -37,25 +40,28 @@ class _Noop:
         pass
 
 
-def observe_many(histogram: Any, value: float, count: int) -> None:
-    """count observations of one value (the blocks of a batch share its time) at the
-    cost of one: observe() per block cost 1.3 us, a tenth of a block's Python time.
-    Goes through prometheus-client's bucket counters where they are as in 0.12-0.26,
-    else falls back to observe() count times."""
+def observe_all(histogram: Any, values: Sequence[float] | np.ndarray) -> None:
+    """Observe each of values (a batch's per-block times) at about the cost of one
+    observe(), which takes 1.3 us a call: a tenth of a block's Python time. Goes through
+    prometheus-client's bucket counters where they are as in 0.12-0.26, else observes
+    one by one."""
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)
     if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for _ in range(count):
-            histogram.observe(value)
+        for value in values:
+            histogram.observe(float(value))
         return
-    if count <= 0:
+    values = np.asarray(values, dtype=np.float64)
+    if not len(values):
         return
-    total.inc(value * count)
-    for bound, bucket in zip(bounds, buckets, strict=True):
-        if value <= bound:
+    # The first bound a value is <= to: prometheus' "le" buckets (the last bound is +Inf).
+    counts = np.bincount(np.searchsorted(bounds, values, side="left"),
+                         minlength=len(bounds))
+    total.inc(float(values.sum()))
+    for bucket, count in zip(buckets, counts.tolist(), strict=False):
+        if count:
             bucket.inc(count)
-            break
 
 
 def _get(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:

@@ -37,7 +37,7 @@ from kvtier_offload.fileformat import (
 )
 from kvtier_offload.iopool import IOPool
 from kvtier_offload.layout import Layout
-from kvtier_offload.metrics import Metrics, observe_many
+from kvtier_offload.metrics import Metrics, observe_all
 
 log = logging.getLogger("kvtier_offload")
 
@@ -515,19 +515,23 @@ class BlockStore:
                        [len(d) for _, _, d, _ in native], memoryview(headers))
         began = time.monotonic()
         token = secrets.token_hex(8)
+        each = np.zeros(len(native))
         status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync,
-                                      self._piece)
+                                      self._piece, seconds=each)
         seconds = time.monotonic() - began
         settled: list[tuple[int, bool, int]] = []
         written: list[bytes] = []
         sizes: list[int] = []
+        times: list[float] = []
         there: list[bytes] = []
-        for (index, key, data, path), st in zip(native, status, strict=True):
+        for (index, key, data, path), st, took in zip(native, status, each.tolist(),
+                                                      strict=True):
             if st == batchio.DONE:
                 written.append(key)
                 sizes.append(len(data))
+                times.append(took)
             elif st == batchio.EXISTS:  # another pod or node stored it first: same bytes
                 there.append(key)
             else:  # a directory reaped since it was made, or an error: Python decides
@@ -535,7 +539,7 @@ class BlockStore:
                 self._store_settle(job, index, ok, len(data), progress)
                 continue
             settled.append((index, True, len(data)))
-        self._stored_all(written, sizes, seconds)
+        self._stored_all(written, sizes, seconds, times)
         if there:
             self.metrics.operations.labels("store", "exists").inc(len(there))
             self._remember_all(there, True)
@@ -589,11 +593,14 @@ class BlockStore:
                 self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
                 self._blocked_until = time.monotonic() + self._backoff
             return False
-        self._stored_all([key], [len(data)], time.monotonic() - start)
+        took = time.monotonic() - start
+        self._stored_all([key], [len(data)], took, [took])
         return True
 
-    def _stored_all(self, keys: list[bytes], sizes: list[int], seconds: float) -> None:
-        """Count blocks written to the volume in `seconds` together."""
+    def _stored_all(self, keys: list[bytes], sizes: list[int], seconds: float,
+                    each: Sequence[float]) -> None:
+        """Count blocks written to the volume in `seconds` together, `each` the time
+        each block took."""
         if not keys:
             return
         self._backoff = 0.0
@@ -605,8 +612,7 @@ class BlockStore:
         self._remember_all(keys, True)
         self.metrics.store_ok.inc(len(keys))
         self.metrics.store_bytes.inc(sum(sizes))
-        # each block's latency, on average
-        observe_many(self.metrics.store_latency, seconds / len(keys), len(keys))
+        observe_all(self.metrics.store_latency, each)
 
     def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
@@ -725,11 +731,10 @@ class BlockStore:
         encode_headers(self.layout.fingerprint, keys, [len(d) for _, _, d in batch],
                        memoryview(expected))
         paths = [self.layout.path(key) for key in keys]
-        began = time.monotonic()
+        each = np.zeros(len(batch))
         status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
                                                memoryview(headers), memoryview(expected),
-                                               self.o_direct, self._piece)
-        seconds = time.monotonic() - began
+                                               self.o_direct, self._piece, seconds=each)
         served = np.flatnonzero(status == batchio.DONE).tolist()
         if not served:
             return
@@ -744,8 +749,7 @@ class BlockStore:
         self._remember_all([batch[n][1] for n in served], True)
         self.metrics.load_ok.inc(len(served))
         self.metrics.load_bytes.inc(sum(size for _, _, size in results))
-        # each block's latency, on average
-        observe_many(self.metrics.load_latency, seconds / len(batch), len(served))
+        observe_all(self.metrics.load_latency, each[served])
         settled.update(index for index, _, _ in results)
         self._done_all(job, results)
 

@@ -59,6 +59,28 @@ def test_written_files_are_whole_and_read_back_bit_identical(tmp_path, direct):
     assert sorted(os.listdir(tmp_path)) == ["0.kvb", "1.kvb", "2.kvb"]  # no temp left
 
 
+def test_each_block_gets_its_own_time(tmp_path):
+    import numpy as np
+
+    src = rows(3, SIZE, seed=11)
+    heads = expected(src)
+    finals = [str(tmp_path / f"{i}.kvb") for i in range(3)]
+    each = np.full(3, -1.0)
+    began = time.monotonic()
+    status = batchio.write_files([f"{f}.tmp" for f in finals], finals, src, heads, False,
+                                 False, seconds=each)
+    wall = time.monotonic() - began
+    assert list(status) == [batchio.DONE] * 3
+    assert (each > 0).all() and each.sum() <= wall
+    each[:] = -1.0
+    began = time.monotonic()
+    status, _ = batchio.read_files([*finals[:2], str(tmp_path / "absent.kvb")],
+                                   rows(3, SIZE), headers(3), heads, False, seconds=each)
+    wall = time.monotonic() - began
+    assert list(status) == [batchio.DONE, batchio.DONE, batchio.NOT_DONE]
+    assert (each > 0).all() and each.sum() <= wall  # a missing file took time too
+
+
 def test_a_write_that_cannot_finish_leaves_no_file(tmp_path):
     src = rows(3, SIZE, seed=7)
     finals = [str(tmp_path / "0.kvb"), str(tmp_path / "gone" / "1.kvb"),  # cannot open

@@ -9,6 +9,7 @@ import os
 import struct
 import time
 
+import numpy as np
 import pytest
 
 from kvtier_evictor.layouts import KVTIER, Kind
@@ -504,10 +505,10 @@ def test_a_batch_of_headers_is_the_headers_one_by_one(case):
     assert out[7 * HEADER_SIZE:] == b"\xff" * HEADER_SIZE  # nothing past the batch
 
 
-def test_observe_many_counts_like_observe_one_by_one():
+def test_observe_all_counts_like_observe_one_by_one():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from kvtier_offload.metrics import LATENCY_BUCKETS, observe_many
+    from kvtier_offload.metrics import LATENCY_BUCKETS, observe_all
 
     def samples(record) -> dict[tuple[str, str], float]:
         registry = CollectorRegistry()
@@ -516,31 +517,64 @@ def test_observe_many_counts_like_observe_one_by_one():
         return {(s.name, s.labels.get("le", "")): s.value for metric in registry.collect()
                 for s in metric.samples if not s.name.endswith("_created")}
 
-    values = [(0.0003, 5), (0.0005, 2), (0.007, 31), (3.0, 1), (99.0, 4), (0.01, 0)]
+    # on a bound, between bounds, below the first, above the last, repeated, empty
+    batches = [[0.0005, 0.0003, 0.0007, 0.0005], [0.01, 0.009, 3.0, 99.0, 99.0], [],
+               [0.0001] * 31]
 
     def one_by_one(child) -> None:
-        for value, count in values:
-            for _ in range(count):
+        for batch in batches:
+            for value in batch:
                 child.observe(value)
 
-    def many(child) -> None:
-        for value, count in values:
-            observe_many(child, value, count)
+    def all_at_once(child) -> None:
+        for batch in batches:
+            observe_all(child, np.array(batch))
 
-    got, want = samples(many), samples(one_by_one)
+    got, want = samples(all_at_once), samples(one_by_one)
     assert got.keys() == want.keys() and len(got) == len(LATENCY_BUCKETS) + 3  # +Inf
     for name, value in want.items():
         assert got[name] == pytest.approx(value, rel=1e-12), name
 
-    class Plain:  # no prometheus-client internals: observe() count times
+    class Plain:  # no prometheus-client internals: observe() one by one
         seen: list[float] = []
 
         def observe(self, value: float) -> None:
             self.seen.append(value)
 
     plain = Plain()
-    observe_many(plain, 0.5, 3)
-    assert plain.seen == [0.5, 0.5, 0.5]
+    observe_all(plain, [0.5, 0.25])
+    assert plain.seen == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_the_latency_histogram_gets_each_blocks_own_time(make_store, batch_io):
+    from prometheus_client import REGISTRY
+
+    def sample(direction: str, suffix: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(f"kvtier_offload_latency_seconds_{suffix}",
+                                         {"direction": direction, **labels}) or 0.0
+
+    store = make_store(batch_io=batch_io, read_threads=1, write_threads=0)
+    # One large block after small ones, in one job (one batch, sized by the first
+    # block): its time must not be spread over the others, as an average share would.
+    big, small = 64 << 20, 4096
+    ks = keys(6)
+    sizes = [small] * 5 + [big]
+    src = [rows(1, n, seed=80 + i)[0] for i, n in enumerate(sizes)]
+    for direction, run, items in (
+            ("store", run_store, list(zip(ks, src, strict=True))),
+            ("load", run_load, list(zip(ks, [rows(1, n)[0] for n in sizes], strict=True)))):
+        before = (sample(direction, "count"), sample(direction, "bucket", le="0.001"),
+                  sample(direction, "sum"))
+        began = time.monotonic()
+        assert run(store, 1 if direction == "store" else 2, items).success
+        wall = time.monotonic() - began
+        count, fast, total = (sample(direction, "count") - before[0],
+                              sample(direction, "bucket", le="0.001") - before[1],
+                              sample(direction, "sum") - before[2])
+        assert count == 6  # one observation per block, none per batch
+        assert fast == 5, direction  # the small blocks, each under 1 ms
+        assert 0.001 < total <= wall  # one thread: real times, within the job's
 
 
 def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
