@@ -1,14 +1,20 @@
-"""kvtier_offload_* Prometheus metrics, when prometheus-client is importable.
+"""kvtier_offload_* metrics: one table of definitions, two ways out.
 
-Registered once per process in the default registry under our own prefix, so they are
-exported by vLLM's /metrics without clashing with vllm:* names; with no
-prometheus-client every call is a no-op and the backend works the same.
+- Registered in the process's default prometheus registry (`Metrics()`), for a process
+  that serves its own /metrics; with no prometheus-client every call is a no-op and the
+  backend works the same.
+- Kept in a `Recorder` (`Metrics(recorder)`) for a host that exports them itself. vLLM
+  runs its scheduler (where the tier lives) in another process than the API server that
+  serves /metrics, so a tier's metrics reach /metrics only through vLLM's stats channel:
+  the tier declares DEFINITIONS and hands over what the recorder took (vllm_tier.py).
+  Nothing is registered then, so nothing can clash with the metrics vLLM creates.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +27,32 @@ except ImportError:  # pragma: no cover - exercised where prometheus-client is a
 _LOCK = threading.Lock()
 _METRICS: dict[str, Any] = {}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+@dataclass(frozen=True)
+class Definition:
+    kind: str  # Counter | Gauge | Histogram, as prometheus-client names them
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+DEFINITIONS = {d.name: d for d in (
+    Definition("Counter", "kvtier_offload_bytes", "Bytes moved", ("direction",)),
+    Definition("Counter", "kvtier_offload_operations", "Block operations by outcome",
+               ("direction", "outcome")),
+    Definition("Histogram", "kvtier_offload_latency_seconds",
+               "Latency of one block operation", ("direction",), LATENCY_BUCKETS),
+    Definition("Counter", "kvtier_offload_lookups", "Lookups by result", ("result",)),
+    Definition("Counter", "kvtier_offload_corrupt_files", "Block files refused and removed",
+               ("reason",)),
+    Definition("Counter", "kvtier_offload_dropped_writes",
+               "Stores dropped, never written or reported stored", ("reason",)),
+    Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", ("error",)),
+    Definition("Gauge", "kvtier_offload_queue_depth",
+               "Block operations submitted and not yet finished", ("direction",)),
+)}
 
 
 class _Noop:
@@ -40,11 +72,100 @@ class _Noop:
         pass
 
 
+def _registered(definition: Definition) -> Any:
+    """The metric in the default registry, created once per process."""
+    if prom is None:
+        return _Noop()
+    with _LOCK:
+        metric = _METRICS.get(definition.name)
+        if metric is None:
+            extra = {"buckets": definition.buckets} if definition.buckets else {}
+            metric = getattr(prom, definition.kind)(definition.name, definition.doc,
+                                                    definition.labels, **extra)
+            _METRICS[definition.name] = metric
+        return metric
+
+
+Key = tuple[str, tuple[str, ...]]  # (metric name, label values)
+
+
+class Recorder:
+    """Metric values for a host to export: what counters gained and histograms saw
+    since the last take(), and every gauge's current value. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[Key, float] = {}
+        self._gauges: dict[Key, float] = {}
+        self._observed: dict[Key, list[float]] = {}
+
+    def metric(self, definition: Definition) -> _Recorded:
+        return _Recorded(self, definition.name, definition.kind)
+
+    def add(self, key: Key, amount: float) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + amount
+
+    def move(self, key: Key, amount: float) -> None:
+        with self._lock:
+            self._gauges[key] = self._gauges.get(key, 0) + amount
+
+    def set(self, key: Key, value: float) -> None:
+        with self._lock:
+            self._gauges[key] = value
+
+    def observe(self, key: Key, values: Sequence[float]) -> None:
+        with self._lock:
+            self._observed.setdefault(key, []).extend(values)
+
+    def take(self) -> tuple[dict[Key, float], dict[Key, float], dict[Key, list[float]]]:
+        """(counter increases, gauge values, histogram observations); the first and the
+        last start again from nothing."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            observed, self._observed = self._observed, {}
+            return counts, dict(self._gauges), observed
+
+
+class _Recorded:
+    """One metric (or one child of it) writing into a Recorder, with the prometheus-client
+    calls the store makes."""
+
+    def __init__(self, recorder: Recorder, name: str, kind: str,
+                 labelvalues: tuple[str, ...] = ()) -> None:
+        self._recorder, self._name, self._kind = recorder, name, kind
+        self._key: Key = (name, labelvalues)
+
+    def labels(self, *values: object) -> _Recorded:
+        return _Recorded(self._recorder, self._name, self._kind, tuple(map(str, values)))
+
+    def inc(self, amount: float = 1) -> None:
+        if self._kind == "Gauge":
+            self._recorder.move(self._key, amount)
+        else:
+            self._recorder.add(self._key, amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._recorder.move(self._key, -amount)
+
+    def set(self, value: float) -> None:
+        self._recorder.set(self._key, value)
+
+    def observe(self, value: float) -> None:
+        self._recorder.observe(self._key, [value])
+
+    def observe_all(self, values: Sequence[float]) -> None:
+        self._recorder.observe(self._key, values)
+
+
 def observe_all(histogram: Any, values: Sequence[float] | np.ndarray) -> None:
     """Observe each of values (a batch's per-block times) at about the cost of one
     observe(), which takes 1.3 us a call: a tenth of a block's Python time. Goes through
     prometheus-client's bucket counters where they are as in 0.12-0.26, else observes
     one by one."""
+    if isinstance(histogram, _Recorded):
+        histogram.observe_all([float(v) for v in values])
+        return
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)
@@ -64,38 +185,23 @@ def observe_all(histogram: Any, values: Sequence[float] | np.ndarray) -> None:
             bucket.inc(count)
 
 
-def _get(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
-    if prom is None:
-        return _Noop()
-    with _LOCK:
-        metric = _METRICS.get(name)
-        if metric is None:
-            metric = getattr(prom, kind)(name, doc, labels, **kw)
-            _METRICS[name] = metric
-        return metric
-
-
 class Metrics:
-    """The backend's metrics; direction is 'store' or 'load'."""
+    """The backend's metrics; direction is 'store' or 'load'. recorder: keep them there
+    for the host to export instead of registering them."""
 
-    def __init__(self) -> None:
-        self.bytes = _get("Counter", "kvtier_offload_bytes", "Bytes moved", ("direction",))
-        self.operations = _get("Counter", "kvtier_offload_operations",
-                               "Block operations by outcome", ("direction", "outcome"))
-        self.latency = _get("Histogram", "kvtier_offload_latency_seconds",
-                            "Latency of one block operation", ("direction",),
-                            buckets=LATENCY_BUCKETS)
-        self.lookups = _get("Counter", "kvtier_offload_lookups", "Lookups by result",
-                            ("result",))
-        self.corrupt = _get("Counter", "kvtier_offload_corrupt_files",
-                            "Block files refused and removed", ("reason",))
-        self.dropped = _get("Counter", "kvtier_offload_dropped_writes",
-                            "Stores dropped, never written or reported stored", ("reason",))
-        self.failed = _get("Counter", "kvtier_offload_failed_writes",
-                           "Stores that failed", ("error",))
-        self.queue_depth = _get("Gauge", "kvtier_offload_queue_depth",
-                                "Block operations submitted and not yet finished",
-                                ("direction",))
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        def get(name: str) -> Any:
+            definition = DEFINITIONS[name]
+            return recorder.metric(definition) if recorder else _registered(definition)
+
+        self.bytes = get("kvtier_offload_bytes")
+        self.operations = get("kvtier_offload_operations")
+        self.latency = get("kvtier_offload_latency_seconds")
+        self.lookups = get("kvtier_offload_lookups")
+        self.corrupt = get("kvtier_offload_corrupt_files")
+        self.dropped = get("kvtier_offload_dropped_writes")
+        self.failed = get("kvtier_offload_failed_writes")
+        self.queue_depth = get("kvtier_offload_queue_depth")
         # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
         self.store_ok = self.operations.labels("store", "ok")
         self.load_ok = self.operations.labels("load", "ok")

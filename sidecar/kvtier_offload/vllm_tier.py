@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -30,7 +30,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier_offload.layout import fingerprint, vllm_fields
-from kvtier_offload.store import BlockStore, StoreConfig
+from kvtier_offload.metrics import DEFINITIONS, Metrics, Recorder
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 
 log = logging.getLogger("kvtier_offload")
 
@@ -61,15 +67,20 @@ class KvtierStorageTier(SecondaryTierManager):
         write_queue_seconds: float = 10.0,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # Here, not at the top: vLLM's API server imports this module for the metric
+        # definitions alone and should not compile the block store's machine code.
+        from kvtier_offload.store import BlockStore, StoreConfig
+
         self.locality = Locality(locality) if locality is not None else None
         self._rows = np.asarray(primary_kv_view).view(np.uint8)
+        self._recorder = Recorder()  # exported through vLLM's stats, see get_stats
         config = fingerprint_config(offloading_spec, self.block_size_bytes)
         self.store = BlockStore(StoreConfig(
             root=root_dir, fingerprint=fingerprint(config), read_threads=n_read_threads,
             write_threads=n_write_threads, o_direct=o_direct, fsync=fsync,
             free_space_floor_percent=free_space_floor_percent,
             write_queue_seconds=write_queue_seconds,
-        ))
+        ), metrics=Metrics(self._recorder))
         self.store.layout.write_config(config)
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events:
@@ -140,6 +151,48 @@ class KvtierStorageTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         self.store.drain()
+
+    @classmethod
+    def build_metric_definitions(
+            cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """kvtier_offload_*, declared to vLLM's API server, which serves /metrics."""
+        from vllm.v1.kv_offload.base import (
+            OffloadingCounterMetadata,
+            OffloadingGaugeMetadata,
+            OffloadingHistogramMetadata,
+        )
+
+        out: dict[str, OffloadingMetricMetadata] = {}
+        for name, d in DEFINITIONS.items():
+            if d.kind == "Histogram":
+                out[name] = OffloadingHistogramMetadata(documentation=d.doc,
+                                                        labelnames=d.labels,
+                                                        buckets=d.buckets)
+            elif d.kind == "Gauge":
+                out[name] = OffloadingGaugeMetadata(documentation=d.doc, labelnames=d.labels)
+            else:
+                out[name] = OffloadingCounterMetadata(documentation=d.doc, labelnames=d.labels)
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What the store counted since vLLM last asked (each scheduler step), for vLLM
+        to carry to its API server."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        counts, gauges, observed = self._recorder.take()
+        if not (counts or observed or gauges):
+            return None
+        stats = OffloadingConnectorStats()
+        for (name, labels), amount in counts.items():
+            stats.increase_counter(name, amount, labels)
+        for (name, labels), value in gauges.items():
+            stats.set_gauge(name, value, labels)
+        for (name, labels), values in observed.items():
+            for value in values:
+                stats.observe_histogram(name, value, labels)
+        return stats
 
     def shutdown(self) -> None:
         self.store.close()

@@ -23,6 +23,7 @@ from kvtier_offload.fileformat import (
     encode_headers,
 )
 from kvtier_offload.layout import Layout, fingerprint
+from kvtier_offload.metrics import observe_all
 from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
 from tests.offload.conftest import FP, keys, rows, run_load, run_store
 
@@ -508,7 +509,7 @@ def test_a_batch_of_headers_is_the_headers_one_by_one(case):
 def test_observe_all_counts_like_observe_one_by_one():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from kvtier_offload.metrics import LATENCY_BUCKETS, observe_all
+    from kvtier_offload.metrics import LATENCY_BUCKETS
 
     def samples(record) -> dict[tuple[str, str], float]:
         registry = CollectorRegistry()
@@ -575,6 +576,27 @@ def test_the_latency_histogram_gets_each_blocks_own_time(make_store, batch_io):
         assert count == 6  # one observation per block, none per batch
         assert fast == 5, direction  # the small blocks, each under 1 ms
         assert 0.001 < total <= wall  # one thread: real times, within the job's
+
+
+def test_a_recorder_hands_over_increases_once_and_gauges_always():
+    from kvtier_offload.metrics import Metrics, Recorder
+
+    recorder = Recorder()
+    metrics = Metrics(recorder)
+    metrics.load_bytes.inc(100)
+    metrics.load_bytes.inc(28)
+    metrics.dropped.labels("queue-full").inc(3)
+    metrics.in_queue["store"].inc(5)
+    metrics.in_queue["store"].dec(2)
+    metrics.load_latency.observe(0.25)
+    observe_all(metrics.load_latency, np.array([0.5, 0.75]))
+    counts, gauges, observed = recorder.take()
+    assert counts == {("kvtier_offload_bytes", ("load",)): 128,
+                      ("kvtier_offload_dropped_writes", ("queue-full",)): 3}
+    assert gauges == {("kvtier_offload_queue_depth", ("store",)): 3}
+    assert observed == {("kvtier_offload_latency_seconds", ("load",)): [0.25, 0.5, 0.75]}
+    metrics.in_queue["store"].dec(3)
+    assert recorder.take() == ({}, {("kvtier_offload_queue_depth", ("store",)): 0}, {})
 
 
 def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):

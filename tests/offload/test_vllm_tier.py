@@ -53,6 +53,7 @@ def make_manager(root, engine: str, dtype: str = "bfloat16", events: bool = True
     spec = TieringOffloadingSpec(cfg)
     manager = spec.get_manager()
     (tier_obj,) = manager.secondary_tiers
+    tier_obj._test_manager = manager
     return manager, tier_obj
 
 
@@ -159,3 +160,77 @@ def test_another_dtype_gets_another_namespace(tmp_path):
     finally:
         m1.shutdown()
         m2.shutdown()
+
+
+def test_metrics_reach_the_api_server_through_vllms_stats(tier):
+    # The tier lives in vLLM's scheduler process; /metrics is served by the API server
+    # process. What crosses between them is the manager's stats payload, which the API
+    # server's OffloadPromMetrics turns into prometheus metrics it declared from our
+    # definitions (found through the connector config the operator renders).
+    import functools
+    import pickle
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+        OffloadPromMetrics,
+    )
+
+    manager = tier._test_manager
+    view = np.asarray(tier._primary_kv_view).view(np.uint8)
+    view[0:3] = np.random.default_rng(9).integers(0, 256, size=view[0:3].shape,
+                                                   dtype=np.uint8)
+    keys = [bytes([60 + i]) * 32 + b"\0\0\0\0" for i in range(3)]
+    tier.submit_store(job(1, keys, [0, 1, 2]))
+    wait_jobs(tier, 1)
+    tier.submit_load(job(2, keys, [4, 5, 6], promotion=True))
+    wait_jobs(tier, 1)
+    while tier.lookup(b"\x55" * 36, ReqContext(req_id="r")) is LookupResult.RETRY:
+        time.sleep(0.005)
+
+    stats = manager.get_stats()  # vLLM's TieringManager gathers every tier's stats
+    payload = pickle.loads(pickle.dumps(stats.data))  # as it crosses processes
+
+    registry = CollectorRegistry()
+    kinds = {kind: functools.partial(kind, registry=registry)
+             for kind in (Counter, Gauge, Histogram)}
+    rendered = kv_transfer_config(parse_tpc(tpc_doc()))
+    api_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config=rendered["kv_connector_extra_config"]))
+    prom = OffloadPromMetrics(api_config, kinds, ["model_name", "engine"],
+                              {0: ["tiny/model", "0"]})
+    prom.observe(OffloadingConnectorStats(data=payload).data, 0)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "tiny/model", "engine": "0",
+                                                **labels})
+
+    row = tier.block_size_bytes
+    assert value("kvtier_offload_bytes_total", direction="store") == 3 * row
+    assert value("kvtier_offload_bytes_total", direction="load") == 3 * row
+    assert value("kvtier_offload_operations_total", direction="load", outcome="ok") == 3
+    assert value("kvtier_offload_latency_seconds_count", direction="store") == 3
+    assert value("kvtier_offload_lookups_total", result="miss") == 1
+    assert value("kvtier_offload_queue_depth", direction="load") == 0
+
+    # Taken once: the next step carries only the gauges' current values.
+    again = manager.get_stats()
+    carried = {} if again is None else again.data.get("data", {})
+    assert not any(name.startswith("kvtier_offload_") and name != "kvtier_offload_queue_depth"
+                   for name in carried)
+
+
+def test_the_api_server_reads_our_definitions_without_the_block_store():
+    # vLLM's API server imports the tier's module for its metric definitions only: it
+    # must not pay for (or fail on) compiling the block store's machine code there.
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvtier_offload.vllm_tier import KvtierStorageTier as T; "
+            "d = T.build_metric_definitions({}); "
+            "print(sorted(d)[0], 'kvtier_offload.batchio' in sys.modules, "
+            "'kvtier_offload.store' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["kvtier_offload_bytes", "False", "False"]
