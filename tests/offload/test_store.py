@@ -548,34 +548,33 @@ def test_observe_all_counts_like_observe_one_by_one():
 
 
 @pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
-def test_the_latency_histogram_gets_each_blocks_own_time(make_store, batch_io):
-    from prometheus_client import REGISTRY
+def test_the_latency_histogram_gets_each_blocks_own_time(tmp_path, batch_io):
+    from kvtier_offload.metrics import Metrics, Recorder
 
-    def sample(direction: str, suffix: str, **labels: str) -> float:
-        return REGISTRY.get_sample_value(f"kvtier_offload_latency_seconds_{suffix}",
-                                         {"direction": direction, **labels}) or 0.0
-
-    store = make_store(batch_io=batch_io, read_threads=1, write_threads=0)
+    recorder = Recorder()  # the raw observations, not buckets
+    store = BlockStore(StoreConfig(root=str(tmp_path), fingerprint=FP, read_threads=1,
+                                   write_threads=0, batch_io=batch_io), Metrics(recorder))
     # One large block after small ones, in one job (one batch, sized by the first
     # block): its time must not be spread over the others, as an average share would.
     big, small = 64 << 20, 4096
     ks = keys(6)
     sizes = [small] * 5 + [big]
     src = [rows(1, n, seed=80 + i)[0] for i, n in enumerate(sizes)]
-    for direction, run, items in (
-            ("store", run_store, list(zip(ks, src, strict=True))),
-            ("load", run_load, list(zip(ks, [rows(1, n)[0] for n in sizes], strict=True)))):
-        before = (sample(direction, "count"), sample(direction, "bucket", le="0.001"),
-                  sample(direction, "sum"))
-        began = time.monotonic()
-        assert run(store, 1 if direction == "store" else 2, items).success
-        wall = time.monotonic() - began
-        count, fast, total = (sample(direction, "count") - before[0],
-                              sample(direction, "bucket", le="0.001") - before[1],
-                              sample(direction, "sum") - before[2])
-        assert count == 6  # one observation per block, none per batch
-        assert fast == 5, direction  # the small blocks, each under 1 ms
-        assert 0.001 < total <= wall  # one thread: real times, within the job's
+    try:
+        for direction, run, items in (
+                ("store", run_store, list(zip(ks, src, strict=True))),
+                ("load", run_load, list(zip(ks, [rows(1, n)[0] for n in sizes],
+                                            strict=True)))):
+            began = time.monotonic()
+            assert run(store, 1 if direction == "store" else 2, items).success
+            wall = time.monotonic() - began
+            _, _, observed = recorder.take()
+            times = sorted(observed[("kvtier_offload_latency_seconds", (direction,))])
+            assert len(times) == 6  # one observation per block, none per batch
+            assert times[-1] > 2 * times[-2], (direction, times)  # the large one's own
+            assert 0 < sum(times) <= wall  # one thread: real times, within the job's
+    finally:
+        store.close()
 
 
 def test_a_recorder_hands_over_increases_once_and_gauges_always():
