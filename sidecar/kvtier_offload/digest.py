@@ -119,6 +119,17 @@ def _stripe_loop() -> object:
                 where = builder.gep(base, [index])
                 return builder.load(builder.bitcast(where, vec.as_pointer()), align=8)
 
+            def meet(one: list, one_from: ir.Block, other: list,
+                     other_from: ir.Block) -> list:
+                # The four lane vectors where two paths join.
+                out = []
+                for a, b in zip(one, other, strict=True):
+                    phi = builder.phi(vec)
+                    phi.add_incoming(a, one_from)
+                    phi.add_incoming(b, other_from)
+                    out.append(phi)
+                return out
+
             first = [builder.load(builder.gep(lanes_p, [const(j)]), align=8)
                      for j in range(4)]
             entry = builder.block
@@ -153,12 +164,7 @@ def _stripe_loop() -> object:
             builder.branch(step)
 
             builder.position_at_end(step)
-            merged = []
-            for j in range(4):
-                phi = builder.phi(vec)
-                phi.add_incoming(added[j], after_body)
-                phi.add_incoming(mixed[j], scramble)
-                merged.append(phi)
+            merged = meet(added, after_body, mixed, scramble)
             s_next = builder.add(s, const(1))
             s.add_incoming(const(0), entry)
             s.add_incoming(s_next, step)
@@ -168,14 +174,8 @@ def _stripe_loop() -> object:
             builder.cbranch(builder.icmp_signed("<", s_next, count), body, done)
 
             builder.position_at_end(done)
-            final = []
-            for j in range(4):
-                phi = builder.phi(vec)
-                phi.add_incoming(first[j], entry)
-                phi.add_incoming(merged[j], step)
-                final.append(phi)
-            for j in range(4):
-                builder.store(final[j], builder.gep(lanes_p, [const(j)]), align=8)
+            for j, lanes in enumerate(meet(first, entry, merged, step)):
+                builder.store(lanes, builder.gep(lanes_p, [const(j)]), align=8)
             return context.get_dummy_value()
 
         return sig, codegen
