@@ -294,8 +294,18 @@ async def test_rejected_object_becomes_a_condition_and_others_go_on(kmock):
         "reason": "Invalid", "message": message}
     seed(kmock, cache())
     seed(kmock, cache({"storage": None}, name="other", uid="uid-2"))
+
+    def reported() -> list[dict]:
+        # Every EvictorHealthy the operator wrote, from the requests themselves: kmock
+        # stores a POSTed object even when a reaction refuses it, so a later reconcile
+        # finds the CronJob and moves on (NoRunYet) before a poll of the object may look.
+        return [c for r in kmock if r.method == "PATCH" and isinstance(r.data, dict)
+                and "/tieredprefixcaches/cache" in str(r.url)
+                for c in ((r.data.get("status") or {}).get("conditions") or [])
+                if c.get("type") == "EvictorHealthy"]
+
     async with operator(kmock):
-        cond = await until(lambda: condition(tpc_obj(kmock), "EvictorHealthy"), what="cond")
+        cond = (await until(reported, what="cond"))[0]
         other = await until(lambda: condition(tpc_obj(kmock, "other"), "Ready"), what="other")
     assert cond["status"] == "False" and cond["reason"] == "CronJobRejected"
     assert message in cond["message"]
