@@ -196,3 +196,6 @@ class KvtierStorageTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.store.close()
+        # vLLM unmaps its CPU region after this returns; our view of it would make that
+        # fail and keep the mapping alive. The rows are not used after shutdown.
+        self._rows = np.empty((0, 0), np.uint8)

@@ -152,6 +152,20 @@ def test_pending_work_and_drain(tier):
     assert wait_jobs(tier, 1)[1].success
 
 
+
+def test_shutdown_lets_vllm_unmap_its_cpu_region(tmp_path):
+    """vLLM closes the CPU tier's shared mapping after the secondary tiers shut down; a
+    view of it we still held made that close fail (logged) and kept the mapping alive."""
+    manager, t = make_manager(tmp_path, f"unmap-{os.getpid()}-{time.monotonic_ns()}")
+    keys = [bytes([60 + i]) * 36 for i in range(2)]
+    t.submit_store(job(1, keys, [0, 1]))
+    assert wait_jobs(t, 1)[1].success
+    t.submit_load(job(2, keys, [2, 3], promotion=True))
+    assert wait_jobs(t, 1)[2].success
+    region = manager.primary_tier._mmap_region.mmap_obj
+    manager.shutdown()
+    assert region.closed
+
 def test_another_dtype_gets_another_namespace(tmp_path):
     m1, a = make_manager(tmp_path, f"e1-{os.getpid()}-{time.monotonic_ns()}", "bfloat16")
     m2, b = make_manager(tmp_path, f"e2-{os.getpid()}-{time.monotonic_ns()}", "float16")
