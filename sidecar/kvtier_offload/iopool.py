@@ -5,7 +5,8 @@ threads take stores first; each steals from the other queue when its own is empt
 
 Many threads pay off where each file waits on a device or a network; where files complete
 at memory speed the work is CPU, and the store starts one read-preferring thread per core
-instead (more only trade the GIL back and forth).
+instead (more only trade the GIL back and forth). The pool says how many threads a new
+job could use right now (`spare`), so the store splits a job only as far as that.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class IOPool:
         self._writes: deque[Task] = deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._busy = {True: 0, False: 0}  # threads running a read (True) or write task
         self._threads = [
             threading.Thread(target=self._work, args=(prefer_reads,), daemon=True,
                              name=f"{name}-{'r' if prefer_reads else 'w'}{i}")
@@ -46,19 +48,35 @@ class IOPool:
     def threads(self) -> int:
         return len(self._threads)
 
-    def _next(self, prefer_reads: bool) -> Task | None:
-        first, second = (self._reads, self._writes) if prefer_reads else (
-            self._writes, self._reads)
+    def spare(self, reads: bool) -> int:
+        """How many more tasks of a new job could start at once right now (0 or more):
+        threads not running nor spoken for by a queued task. A read waits only for other
+        reads (it goes ahead of queued writes, and takes the next thread a write frees);
+        a write waits for everything."""
         with self._cv:
-            while not first and not second:
+            taken = self._busy[True] + len(self._reads)
+            if not reads:
+                taken += self._busy[False] + len(self._writes)
+            return max(0, len(self._threads) - taken)
+
+    def _next(self, prefer_reads: bool) -> tuple[Task, bool] | None:
+        with self._cv:
+            while not self._reads and not self._writes:
                 if self._closed:
                     return None
                 self._cv.wait()
-            return (first or second).popleft()
+            is_read = bool(self._reads) and (prefer_reads or not self._writes)
+            self._busy[is_read] += 1
+            return (self._reads if is_read else self._writes).popleft(), is_read
 
     def _work(self, prefer_reads: bool) -> None:
-        while (task := self._next(prefer_reads)) is not None:
-            task()  # tasks handle their own errors; the pool must never lose a thread
+        while (taken := self._next(prefer_reads)) is not None:
+            task, is_read = taken
+            try:
+                task()  # tasks handle their own errors; the pool must never lose a thread
+            finally:
+                with self._cv:
+                    self._busy[is_read] -= 1
 
     def close(self) -> None:
         """Finish what is queued, then stop the threads."""

@@ -35,6 +35,28 @@ def test_reads_go_before_queued_writes():
     assert order == ["blocker", "r0", "r1", "r2", "w0", "w1", "w2"], order
 
 
+def test_a_write_thread_takes_writes_first():
+    pool = IOPool(read_threads=1, write_threads=1)
+    hold_read, hold_write, done = threading.Event(), threading.Event(), threading.Event()
+    ran: list[str] = []
+    try:
+        pool.submit_read(lambda: hold_read.wait(5))
+        pool.submit_write(lambda: hold_write.wait(5))
+        deadline = time.monotonic() + 5
+        while pool._busy != {True: 1, False: 1} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pool.submit_read(lambda: ran.append("read"))
+        pool.submit_write(lambda: (ran.append("write"), done.set()))
+        hold_write.set()  # only the write thread is free: the write is its own
+        assert done.wait(5)
+        assert ran[0] == "write"  # (the read may follow on the same thread right after)
+    finally:
+        hold_read.set()
+        hold_write.set()
+        pool.close()
+    assert ran == ["write", "read"]
+
+
 def test_pool_runs_tasks_in_parallel():
     pool = IOPool(read_threads=2, write_threads=2)
     barrier = threading.Barrier(4, timeout=5)
@@ -76,3 +98,59 @@ def test_store_runs_one_reads_first_thread_per_core_on_a_memory_speed_volume(
         fast.close()
         slow.close()
         pinned.close()
+
+
+def wait_busy(pool: IOPool, reads: int, writes: int) -> None:
+    deadline = time.monotonic() + 5
+    while pool._busy != {True: reads, False: writes} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._busy == {True: reads, False: writes}
+
+
+def test_spare_threads_for_reads_and_for_writes():
+    pool = IOPool(read_threads=2, write_threads=2)
+    gate = threading.Event()
+    try:
+        assert pool.spare(reads=True) == pool.spare(reads=False) == 4
+        for _ in range(3):
+            pool.submit_write(lambda: gate.wait(5))
+        wait_busy(pool, reads=0, writes=3)
+        # A write waits for those; a read takes the threads they free before queued writes.
+        assert (pool.spare(reads=False), pool.spare(reads=True)) == (1, 4)
+        pool.submit_read(lambda: gate.wait(5))
+        wait_busy(pool, reads=1, writes=3)
+        pool.submit_read(lambda: gate.wait(5))  # queued: every thread is taken
+        pool.submit_write(lambda: gate.wait(5))
+        assert (pool.spare(reads=False), pool.spare(reads=True)) == (0, 2)
+    finally:
+        gate.set()
+        pool.close()
+    assert pool._busy == {True: 0, False: 0}  # all done: every thread free again
+
+
+def test_a_job_spreads_over_free_threads_and_goes_whole_under_a_backlog(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod, "probe_memory_speed", lambda d, o: False)
+    store = store_mod.BlockStore(store_mod.StoreConfig(root=str(tmp_path), fingerprint="0" * 16,
+                                                       read_threads=4, write_threads=4))
+    gate = threading.Event()
+    try:
+        if not store.batch_io:
+            pytest.skip("the batch path is off here: one block per task regardless")
+        block = 256 << 10
+        for reads in (True, False):  # a lone job: every thread at once
+            assert [len(b) for b in store._batches(16, block, reads)] == [2] * 8
+        for _ in range(8):
+            store._pool.submit_write(lambda: gate.wait(5))
+        # Stores would only queue behind those: one task. A load still spreads, to take
+        # each thread the writes free.
+        assert [len(b) for b in store._batches(16, block, reads=False)] == [16]
+        assert [len(b) for b in store._batches(16, block, reads=True)] == [2] * 8
+        for _ in range(8):
+            store._pool.submit_read(lambda: gate.wait(5))
+        assert [len(b) for b in store._batches(16, block, reads=True)] == [16]
+        big = store._batches(100, block, reads=True)  # never more than BATCH_BYTES a task
+        assert [len(b) for b in big] == [32, 32, 32, 4]
+        assert [i for b in big for i in b] == list(range(100))
+    finally:
+        gate.set()
+        store.close()
