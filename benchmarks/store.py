@@ -116,6 +116,50 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+Rounds = dict[str, list[tuple[float, float]]]  # system: (store, load) GB/s of each round
+
+
+def alternate(run: Callable[[str], tuple[float, float]]) -> Rounds:
+    """ROUNDS rounds of run("vllm") and run("kvtier"). Each goes first in every other
+    round: the VM disk's burst budget favours whoever runs first after a pause."""
+    results: Rounds = {"vllm": [], "kvtier": []}
+    for round_ in range(ROUNDS):
+        for name in ("vllm", "kvtier") if round_ % 2 == 0 else ("kvtier", "vllm"):
+            results[name].append(run(name))
+    return results
+
+
+def side_by_side(results: Rounds) -> tuple[list[float], str]:
+    """Medians [vLLM store, kvtier store, vLLM load, kvtier load] and the table cells
+    "ratio | ... | store range | load range" that follow them. The two ran back to back
+    in each round: the spread of the per-round ratios says how far the medians can be
+    trusted on a machine whose speed drifts."""
+    v_store, v_load = (median([r[i] for r in results["vllm"]]) for i in (0, 1))
+    k_store, k_load = (median([r[i] for r in results["kvtier"]]) for i in (0, 1))
+    pairs = list(zip(results["kvtier"], results["vllm"], strict=True))
+    stores = sorted(k[0] / v[0] for k, v in pairs)
+    loads = sorted(k[1] / v[1] for k, v in pairs)
+    return [v_store, k_store, v_load, k_load], (
+        f"{stores[0]:.2f}-{stores[-1]:.2f} | {loads[0]:.2f}-{loads[-1]:.2f} |")
+
+
+def on_disk_and_in_ram(compare: Callable[[str, str], None], prefix: str) -> None:
+    """compare(directory, label) on the disk (KVTIER_BENCH_DIR, else a temp dir) and on
+    /dev/shm where there is one."""
+    disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix=prefix)
+    try:
+        compare(disk, "disk")
+    finally:
+        if not os.environ.get("KVTIER_BENCH_DIR"):
+            shutil.rmtree(disk, ignore_errors=True)
+    if os.path.isdir("/dev/shm"):
+        ram = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
+        try:
+            compare(ram, "RAM (/dev/shm: no device, software cost only)")
+        finally:
+            shutil.rmtree(ram, ignore_errors=True)
+
+
 def compare(base: str, label: str) -> None:
     """Alternate vLLM and kvtier for ROUNDS rounds per block size, swapping who goes first;
     medians (the VM disks these run on swing by 2-5x between minutes, so single runs
@@ -133,43 +177,20 @@ def compare(base: str, label: str) -> None:
         n = max(TOTAL // block, 1)
         arena = mmap.mmap(-1, ARENA_ROWS * block)
         arena[:] = os.urandom(ARENA_ROWS * block)
-        results: dict[str, list[tuple[float, float]]] = {"vllm": [], "kvtier": []}
-        systems = (("vllm", vllm_fs), ("kvtier", kvtier))
-        for round_ in range(ROUNDS):
-            # Each goes first in every other round: the VM disk's burst budget favours
-            # whoever runs first after a pause.
-            for name, fn in systems if round_ % 2 == 0 else systems[::-1]:
-                root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
-                try:
-                    results[name].append(fn(root, block, n, arena))
-                finally:
-                    shutil.rmtree(root, ignore_errors=True)
-        v_store = median([s for s, _ in results["vllm"]])
-        v_load = median([x for _, x in results["vllm"]])
-        k_store = median([s for s, _ in results["kvtier"]])
-        k_load = median([x for _, x in results["kvtier"]])
-        # The two ran back to back in each round: the spread of these says how far the
-        # medians can be trusted on a machine whose speed drifts.
-        pairs = list(zip(results["kvtier"], results["vllm"], strict=True))
-        store_rounds = sorted(k[0] / v[0] for k, v in pairs)
-        load_rounds = sorted(k[1] / v[1] for k, v in pairs)
+
+        def run(name: str, block: int = block, n: int = n, arena: mmap.mmap = arena) -> (
+                tuple[float, float]):
+            root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
+            try:
+                return {"vllm": vllm_fs, "kvtier": kvtier}[name](root, block, n, arena)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+
+        (v_store, k_store, v_load, k_load), ranges = side_by_side(alternate(run))
         print(f"| {block >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
               f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
-              f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} | "
-              f"{store_rounds[0]:.2f}-{store_rounds[-1]:.2f} | "
-              f"{load_rounds[0]:.2f}-{load_rounds[-1]:.2f} |")
+              f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} | {ranges}")
 
 
 def main() -> None:
-    disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix="kvtier-bench-store-")
-    try:
-        compare(disk, "disk")
-    finally:
-        if not os.environ.get("KVTIER_BENCH_DIR"):
-            shutil.rmtree(disk, ignore_errors=True)
-    if os.path.isdir("/dev/shm"):
-        ram = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir="/dev/shm")
-        try:
-            compare(ram, "RAM (/dev/shm: no device, software cost only)")
-        finally:
-            shutil.rmtree(ram, ignore_errors=True)
+    on_disk_and_in_ram(compare, "kvtier-bench-store-")

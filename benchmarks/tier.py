@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.store import ROUNDS, THREADS, TOTAL, drop_caches, median
+from benchmarks.store import (
+    ROUNDS,
+    THREADS,
+    TOTAL,
+    alternate,
+    drop_caches,
+    on_disk_and_in_ram,
+    side_by_side,
+)
 
 ROW_SIZES = (256 << 10, 2 << 20, 16 << 20)
 ROWS = 64  # CPU-tier rows the jobs cycle through (the store bench's arena)
@@ -120,35 +128,15 @@ def compare(base: str, label: str) -> None:
           "kvtier tier load | ratio | store ratio by round | load ratio by round |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in ROW_SIZES:
-        results: dict[str, list[tuple[float, float]]] = {"vllm": [], "kvtier": []}
-        for round_ in range(ROUNDS):
-            order = ("vllm", "kvtier") if round_ % 2 == 0 else ("kvtier", "vllm")
-            for kind in order:
-                results[kind].append(one(kind, base, row))
-        v_store, v_load = (median([r[i] for r in results["vllm"]]) for i in (0, 1))
-        k_store, k_load = (median([r[i] for r in results["kvtier"]]) for i in (0, 1))
-        pairs = list(zip(results["kvtier"], results["vllm"], strict=True))
-        stores = sorted(k[0] / v[0] for k, v in pairs)
-        loads = sorted(k[1] / v[1] for k, v in pairs)
+        (v_store, k_store, v_load, k_load), ranges = side_by_side(
+            alternate(lambda kind, row=row: one(kind, base, row)))
         print(f"| {row >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
               f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
-              f"{k_load / v_load:.2f}x | {stores[0]:.2f}-{stores[-1]:.2f} | "
-              f"{loads[0]:.2f}-{loads[-1]:.2f} |")
+              f"{k_load / v_load:.2f}x | {ranges}")
 
 
 def main() -> None:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix="kvtier-bench-tier-")
-    try:
-        compare(disk, "disk")
-    finally:
-        if not os.environ.get("KVTIER_BENCH_DIR"):
-            shutil.rmtree(disk, ignore_errors=True)
-    if os.path.isdir("/dev/shm"):
-        ram = tempfile.mkdtemp(prefix="kvtier-bench-tier-", dir="/dev/shm")
-        try:
-            compare(ram, "RAM (/dev/shm: no device, software cost only)")
-        finally:
-            shutil.rmtree(ram, ignore_errors=True)
+    on_disk_and_in_ram(compare, "kvtier-bench-tier-")
