@@ -2,7 +2,7 @@
 
 `store` compares the two block-file layers called directly; this compares the tiers a
 user actually configures: TieringOffloadingSpec builds each from its secondary-tier
-config (`"type": "fs"` or kvtier's `module_path`), jobs of JOB_BLOCKS CPU-tier rows go in
+config (`"type": "fs"` or kvtier's `module_path`), jobs of CPU-tier rows go in
 through submit_store / submit_load, and get_finished_jobs is polled as the scheduler
 polls it. Everything above the file I/O (job books, thread pools, lookups of results)
 counts for both. Same directory, row size, thread count; each job must succeed.
@@ -31,7 +31,9 @@ from benchmarks.store import (
 
 ROW_SIZES = (256 << 10, 2 << 20, 16 << 20)
 ROWS = 64  # CPU-tier rows the jobs cycle through (the store bench's arena)
-JOB_BLOCKS = int(os.environ.get("KVTIER_BENCH_JOB_BLOCKS", "16"))
+# Many requests' worth of 16 rows each, then the whole run as one job: one long prompt's
+# prefix, which vLLM's fs tier moves on one thread and kvtier spreads over its threads.
+JOB_SIZES = (16, 0)
 GPU_BLOCKS_PER_ROW = 4  # 64-token rows of 16-token GPU blocks
 POLL_SECONDS = float(os.environ.get("KVTIER_BENCH_POLL", "0.0005"))
 
@@ -93,7 +95,7 @@ def run_jobs(tier: Any, jobs: list[Any], load: bool) -> float:
     return seconds
 
 
-def one(kind: str, base: str, row: int) -> tuple[float, float]:
+def one(kind: str, base: str, row: int, job_rows: int) -> tuple[float, float]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -103,14 +105,15 @@ def one(kind: str, base: str, row: int) -> tuple[float, float]:
         rows = np.asarray(tier._primary_kv_view).view(np.uint8)
         rows[:] = np.frombuffer(os.urandom(rows.size), np.uint8).reshape(rows.shape)
         del rows  # an exported view would keep vLLM from unmapping its CPU region
-        n = max(TOTAL // row, JOB_BLOCKS)
+        n = max(TOTAL // row, 1)
+        job_rows = job_rows or n
         keys = [hashlib.sha256(f"{kind}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
 
         def jobs(first_id: int, promotion: bool) -> list[Any]:
-            return [TransferJob(job_id=first_id + j, keys=keys[s:s + JOB_BLOCKS],
-                                chunk_ids=np.arange(s, s + len(keys[s:s + JOB_BLOCKS])) % ROWS,
+            return [TransferJob(job_id=first_id + j, keys=keys[s:s + job_rows],
+                                chunk_ids=np.arange(s, s + len(keys[s:s + job_rows])) % ROWS,
                                 is_promotion=promotion, req_context=ReqContext(req_id=f"r{j}"))
-                    for j, s in enumerate(range(0, n, JOB_BLOCKS))]
+                    for j, s in enumerate(range(0, n, job_rows))]
 
         store_s = run_jobs(tier, jobs(0, False), load=False)
         drop_caches()
@@ -122,17 +125,20 @@ def one(kind: str, base: str, row: int) -> tuple[float, float]:
 
 
 def compare(base: str, label: str) -> None:
-    print(f"\n### {label}: {base}, {TOTAL >> 20} MiB per run, jobs of {JOB_BLOCKS} rows, "
-          f"{THREADS} threads, median of {ROUNDS} alternating rounds")
-    print("| row | vLLM fs tier store | kvtier tier store | ratio | vLLM fs tier load | "
-          "kvtier tier load | ratio | store ratio by round | load ratio by round |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in ROW_SIZES:
-        (v_store, k_store, v_load, k_load), ranges = side_by_side(
-            alternate(lambda kind, row=row: one(kind, base, row)))
-        print(f"| {row >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
-              f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
-              f"{k_load / v_load:.2f}x | {ranges}")
+    for job_rows in JOB_SIZES:
+        jobs = f"jobs of {job_rows} rows" if job_rows else "one job"
+        print(f"\n### {label}, {jobs}: {base}, {TOTAL >> 20} MiB per run, {THREADS} threads, "
+              f"median of {ROUNDS} alternating rounds")
+        print("| row | vLLM fs tier store | kvtier tier store | ratio | vLLM fs tier load | "
+              "kvtier tier load | ratio | store ratio by round | load ratio by round |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in ROW_SIZES:
+            (v_store, k_store, v_load, k_load), ranges = side_by_side(
+                alternate(lambda kind, row=row, job_rows=job_rows: one(kind, base, row,
+                                                                        job_rows)))
+            print(f"| {row >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
+                  f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
+                  f"{k_load / v_load:.2f}x | {ranges}")
 
 
 def main() -> None:
