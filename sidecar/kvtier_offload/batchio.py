@@ -50,11 +50,15 @@ def _addresses(buffers: Sequence[memoryview]) -> np.ndarray:
 
 
 def _c_strings(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """NUL-terminated paths packed into one array, and where each starts."""
-    encoded = [os.fsencode(p) + b"\0" for p in paths]
-    starts = np.zeros(len(encoded), dtype=np.int64)
-    np.cumsum([len(e) for e in encoded[:-1]], out=starts[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), starts
+    """NUL-terminated paths packed into one array, and where each starts (encoded in one
+    call, the starts found from the NULs)."""
+    raw = np.frombuffer(os.fsencode("\0".join(paths) + "\0"), dtype=np.uint8)
+    ends = np.flatnonzero(raw == 0)
+    if len(ends) != max(len(paths), 1):
+        raise ValueError("a path holds a NUL byte")
+    starts = np.zeros(len(paths), dtype=np.int64)
+    starts[1:] = ends[:-1][:len(paths) - 1] + 1
+    return raw, starts
 
 
 def _build() -> tuple[object, object]:
@@ -274,12 +278,22 @@ except Exception as err:  # no numba, not Linux, a libc without these symbols
 AVAILABLE = _read_batch is not None
 
 
-def eligible(buffer: memoryview, direct: bool) -> bool:
+def eligible(buffer: memoryview, direct: bool, at: int | None = None) -> bool:
     """Whether a block's buffer can take the batch path: whole 8-byte words, and with
-    O_DIRECT a 4 KiB aligned address and length (else the Python path bounces it)."""
+    O_DIRECT a 4 KiB aligned address and length (else the Python path bounces it).
+    at: its address, where the caller has it already."""
     if len(buffer) % 8:
         return False
-    return not direct or (len(buffer) % 4096 == 0 and address(buffer) % 4096 == 0)
+    return not direct or (len(buffer) % 4096 == 0
+                          and (address(buffer) if at is None else at) % 4096 == 0)
+
+
+def _addresses_of(buffers: Sequence[memoryview], given: Sequence[int] | None) -> np.ndarray:
+    if given is None:
+        return _addresses(buffers)
+    if len(given) != len(buffers):
+        raise ValueError(f"{len(given)} addresses for {len(buffers)} buffers")
+    return np.array(given, dtype=np.int64)
 
 
 def _check_piece(piece: int) -> None:
@@ -289,7 +303,8 @@ def _check_piece(piece: int) -> None:
 
 def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
                expected: memoryview, direct: bool, piece: int = 0,
-               seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               seconds: np.ndarray | None = None,
+               addresses: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Read each file's header into headers[i * 4096:] and its payload into dests[i], and
     check them: the header must equal expected[i * 4096:] but for its digest field, which
     must equal the payload's digest. Returns (status, last use): DONE where all of that
@@ -297,7 +312,8 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
     where statx could not say. With direct, dests and headers must be 4 KiB aligned.
     piece: payloads larger than this move in pieces of it (a multiple of 4 KiB), each
     hashed while in cache; 0: one read per file (what a device wants). seconds: where
-    given, filled with each block's time (open to close), for the latency histogram."""
+    given, filled with each block's time (open to close), for the latency histogram.
+    addresses: the dests' addresses (batchio.address), where the caller has them."""
     _check_piece(piece)
     n = len(paths)
     raw, starts = _c_strings(paths)
@@ -306,7 +322,7 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
     elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     sizes = np.array([len(d) for d in dests], dtype=np.int64)
-    _read_batch(raw, starts, _addresses(dests), sizes,  # type: ignore[misc]
+    _read_batch(raw, starts, _addresses_of(dests, addresses), sizes,  # type: ignore[misc]
                 np.frombuffer(headers, np.uint8), np.frombuffer(expected, np.uint8), flags,
                 piece, payload_digest.SECRET, status, last_used, elapsed)
     if seconds is not None:
@@ -316,12 +332,13 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
 
 def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
                 headers: memoryview, direct: bool, fsync: bool, piece: int = 0,
-                seconds: np.ndarray | None = None) -> np.ndarray:
+                seconds: np.ndarray | None = None,
+                addresses: Sequence[int] | None = None) -> np.ndarray:
     """Write each block to its temp name (header from headers[i * 4096:], its digest
     filled in here; then the payload), close, and rename it to its final name. Returns
     per block DONE, EXISTS (its final name was already there: nothing written) or
     NOT_DONE; a block not done leaves no file behind. piece, seconds (here: from the
-    existence check to the rename): as for read_files."""
+    existence check to the rename), addresses (the datas'): as for read_files."""
     _check_piece(piece)
     tmp_raw, tmp_starts = _c_strings(tmps)
     final_raw, final_starts = _c_strings(finals)
@@ -331,7 +348,8 @@ def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memo
         os.O_DIRECT if direct else 0)
     sizes = np.array([len(d) for d in datas], dtype=np.int64)
     _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
-                 _addresses(datas), sizes, np.frombuffer(headers, np.uint8), flags, fsync,
+                 _addresses_of(datas, addresses), sizes, np.frombuffer(headers, np.uint8),
+                 flags, fsync,
                  piece, payload_digest.SECRET, status, elapsed)
     if seconds is not None:
         seconds[:] = elapsed * 1e-9

@@ -62,6 +62,17 @@ def encode_header(fingerprint: str, key: bytes, payload_len: int, payload_digest
                      _ZEROS[:HEADER_SIZE - _FIXED.size - len(key) - _CRC.size]))
 
 
+@functools.lru_cache(maxsize=64)
+def _template(fingerprint: str, payload_len: int, key_len: int) -> np.ndarray:
+    """A header of this geometry with a zero key and crc, read-only: a batch's headers
+    start as copies of it."""
+    template = np.frombuffer(encode_header(fingerprint, bytes(key_len), payload_len, 0),
+                             np.uint8).copy()
+    template[_FIXED.size + key_len:_FIXED.size + key_len + _CRC.size] = 0
+    template.flags.writeable = False
+    return template
+
+
 def encode_headers(fingerprint: str, keys: Sequence[bytes], payload_lens: Sequence[int],
                    out: memoryview) -> None:
     """encode_header(fingerprint, key, payload_len, 0) of each block, one after another
@@ -77,7 +88,7 @@ def encode_headers(fingerprint: str, keys: Sequence[bytes], payload_lens: Sequen
         for row, key, n in zip(rows, keys, payload_lens, strict=True):
             row[:] = np.frombuffer(encode_header(fingerprint, key, n, 0), np.uint8)
         return
-    rows[:] = np.frombuffer(encode_header(fingerprint, keys[0], length, 0), np.uint8)
+    rows[:] = _template(fingerprint, length, size)
     _, crc = _fixed(fingerprint, length, size)
     end = _FIXED.size + size
     rows[:, _FIXED.size:end] = np.frombuffer(b"".join(keys), np.uint8).reshape(count, size)

@@ -494,9 +494,11 @@ class BlockStore:
         one batch, the rest and whatever the batch could not finish on the Python path."""
         start = time.monotonic()
         native: list[tuple[int, bytes, memoryview, str]] = []
+        addresses: list[int] = []
         for index, key, data in batch:
             path = self.layout.path(key)
-            batchable = self.batch_io and batchio.eligible(data, self.o_direct)
+            at = batchio.address(data) if self.batch_io else 0
+            batchable = self.batch_io and batchio.eligible(data, self.o_direct, at)
             # The batch checks for an existing file itself, in machine code.
             verdict = self._store_verdict(key, len(data), path, enqueued, start,
                                           look=not batchable)
@@ -508,6 +510,7 @@ class BlockStore:
             progress.approved.add(index)
             if batchable:
                 native.append((index, key, data, path))
+                addresses.append(at)
             else:
                 ok = self._store_python(key, data, path)
                 self._store_settle(job, index, ok, len(data), progress)
@@ -524,7 +527,7 @@ class BlockStore:
         status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
                                       [p for _, _, _, p in native], [d for _, _, d, _ in native],
                                       memoryview(headers), self.o_direct, self.cfg.fsync,
-                                      self._piece, seconds=each)
+                                      self._piece, seconds=each, addresses=addresses)
         seconds = time.monotonic() - began
         settled: list[tuple[int, bool, int]] = []
         written: list[bytes] = []
@@ -708,10 +711,17 @@ class BlockStore:
         try:
             if self.batch_io:
                 # Machine code writes through a raw address: never into a read-only buffer.
-                native = [(i, k, d) for i, k, d in batch if not memoryview(d).readonly
-                          and batchio.eligible(d, self.o_direct)]
+                native: list[tuple[int, bytes, memoryview]] = []
+                addresses: list[int] = []
+                for index, key, dest in batch:
+                    if memoryview(dest).readonly:
+                        continue
+                    at = batchio.address(dest)
+                    if batchio.eligible(dest, self.o_direct, at):
+                        native.append((index, key, dest))
+                        addresses.append(at)
                 if native:
-                    self._load_batch(job, native, settled)
+                    self._load_batch(job, native, addresses, settled)
             for index, key, dest in batch:
                 if index not in settled:
                     ok = self._load_one(key, dest)
@@ -726,7 +736,7 @@ class BlockStore:
                     self._done(job, index, False, len(dest))
 
     def _load_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
-                    settled: set[int]) -> None:
+                    addresses: list[int], settled: set[int]) -> None:
         """Read, hash and check a batch in one call, against the headers its blocks must
         have. A block it could not serve (missing, short, damaged, foreign) is left to the
         Python path (not settled), which reads it again and says why."""
@@ -739,7 +749,8 @@ class BlockStore:
         each = np.zeros(len(batch))
         status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
                                                memoryview(headers), memoryview(expected),
-                                               self.o_direct, self._piece, seconds=each)
+                                               self.o_direct, self._piece, seconds=each,
+                                               addresses=addresses)
         served = np.flatnonzero(status == batchio.DONE).tolist()
         if not served:
             return

@@ -172,6 +172,34 @@ def test_addresses_of_writable_and_read_only_buffers():
     assert batchio.address(row[:0]) == 0
 
 
+def test_paths_pack_as_c_strings_whatever_their_encoded_length():
+    paths = ["/v/a", "/vé/ü€/b", "", "/v/" + "x" * 300, "/v/\udcff"]  # last: undecodable byte
+    raw, starts = batchio._c_strings(paths)
+    for path, start in zip(paths, starts, strict=True):
+        end = bytes(raw[start:]).index(b"\0") + start
+        assert bytes(raw[start:end]) == os.fsencode(path)
+    assert batchio._c_strings([])[1].size == 0
+    with pytest.raises(ValueError, match="NUL"):
+        batchio._c_strings(["/v/a\0b", "/v/c"])
+
+
+def test_given_addresses_are_used_and_must_match_the_buffers(tmp_path):
+    src = rows(2, SIZE, seed=7)
+    heads = expected(src)
+    finals = [str(tmp_path / f"{i}.kvb") for i in range(2)]
+    status = batchio.write_files([f"{f}.tmp" for f in finals], finals, src, heads, False, False,
+                                 addresses=[batchio.address(b) for b in src])
+    assert list(status) == [batchio.DONE] * 2
+    dests = rows(2, SIZE, seed=8)
+    # Swapped addresses: each file lands in the other buffer, so they are the ones used.
+    got, _ = batchio.read_files(finals, dests, headers(2), expected(src), False,
+                                addresses=[batchio.address(dests[1]), batchio.address(dests[0])])
+    assert list(got) == [batchio.DONE] * 2
+    assert bytes(dests[0]) == bytes(src[1]) and bytes(dests[1]) == bytes(src[0])
+    with pytest.raises(ValueError, match="addresses"):
+        batchio.read_files(finals, dests, headers(2), expected(src), False, addresses=[0])
+
+
 def test_a_compile_failure_at_import_leaves_the_python_path_not_a_broken_import(tmp_path):
     import subprocess
     import sys
