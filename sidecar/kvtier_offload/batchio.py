@@ -314,17 +314,30 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
     hashed while in cache; 0: one read per file (what a device wants). seconds: where
     given, filled with each block's time (open to close), for the latency histogram.
     addresses: the dests' addresses (batchio.address), where the caller has them."""
+    return read_at(paths, _addresses_of(dests, addresses),
+                   np.array([len(d) for d in dests], dtype=np.int64), headers, expected,
+                   direct, piece, seconds)
+
+
+def read_at(paths: Sequence[str], addresses: np.ndarray, sizes: np.ndarray,
+            headers: memoryview, expected: memoryview, direct: bool, piece: int = 0,
+            seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """read_files into raw memory: payload i goes to addresses[i] (int64), sizes[i] bytes
+    (int64, a multiple of 8). The caller vouches that each range is writable memory it
+    owns, and with direct, 4 KiB aligned."""
     _check_piece(piece)
     n = len(paths)
+    if len(addresses) != n or len(sizes) != n:
+        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} paths")
     raw, starts = _c_strings(paths)
     status = np.ones(n, dtype=np.int64)
     last_used = np.zeros(n, dtype=np.int64)
     elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    sizes = np.array([len(d) for d in dests], dtype=np.int64)
-    _read_batch(raw, starts, _addresses_of(dests, addresses), sizes,  # type: ignore[misc]
-                np.frombuffer(headers, np.uint8), np.frombuffer(expected, np.uint8), flags,
-                piece, payload_digest.SECRET, status, last_used, elapsed)
+    _read_batch(raw, starts, np.ascontiguousarray(addresses, dtype=np.int64),  # type: ignore[misc]
+                np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
+                np.frombuffer(expected, np.uint8), flags, piece, payload_digest.SECRET, status,
+                last_used, elapsed)
     if seconds is not None:
         seconds[:] = elapsed * 1e-9
     return status, last_used
@@ -339,18 +352,31 @@ def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memo
     per block DONE, EXISTS (its final name was already there: nothing written) or
     NOT_DONE; a block not done leaves no file behind. piece, seconds (here: from the
     existence check to the rename), addresses (the datas'): as for read_files."""
+    return write_at(tmps, finals, _addresses_of(datas, addresses),
+                    np.array([len(d) for d in datas], dtype=np.int64), headers, direct, fsync,
+                    piece, seconds)
+
+
+def write_at(tmps: Sequence[str], finals: Sequence[str], addresses: np.ndarray,
+             sizes: np.ndarray, headers: memoryview, direct: bool, fsync: bool,
+             piece: int = 0, seconds: np.ndarray | None = None) -> np.ndarray:
+    """write_files from raw memory: payload i is sizes[i] bytes (int64, a multiple of 8)
+    at addresses[i] (int64), memory the caller vouches for (4 KiB aligned with direct)."""
     _check_piece(piece)
+    n = len(tmps)
+    if len(finals) != n or len(addresses) != n or len(sizes) != n:
+        raise ValueError(f"{len(finals)} final names, {len(addresses)} addresses and "
+                         f"{len(sizes)} sizes for {n} temp names")
     tmp_raw, tmp_starts = _c_strings(tmps)
     final_raw, final_starts = _c_strings(finals)
-    status = np.ones(len(tmps), dtype=np.int64)
-    elapsed = np.zeros(len(tmps), dtype=np.int64)
+    status = np.ones(n, dtype=np.int64)
+    elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
-    sizes = np.array([len(d) for d in datas], dtype=np.int64)
     _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
-                 _addresses_of(datas, addresses), sizes, np.frombuffer(headers, np.uint8),
-                 flags, fsync,
-                 piece, payload_digest.SECRET, status, elapsed)
+                 np.ascontiguousarray(addresses, dtype=np.int64),
+                 np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
+                 flags, fsync, piece, payload_digest.SECRET, status, elapsed)
     if seconds is not None:
         seconds[:] = elapsed * 1e-9
     return status

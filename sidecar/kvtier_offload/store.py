@@ -181,6 +181,83 @@ def probe_memory_speed(directory: str, o_direct: bool) -> bool:
                 pass
 
 
+class _Buffers:
+    """A job's blocks in memory (a load's destinations, a store's sources) as buffer
+    objects, one per block."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self._buffers = buffers
+
+    def view(self, index: int) -> memoryview:
+        return memoryview(self._buffers[index])
+
+    def size(self, index: int) -> int:
+        return len(self._buffers[index])
+
+    def sizes(self, indices: list[int]) -> np.ndarray:
+        return np.array([len(self._buffers[i]) for i in indices], dtype=np.int64)
+
+    def total(self) -> int:
+        return sum(len(b) for b in self._buffers)
+
+    def batchable(self, batch: range, direct: bool,
+                  writes_into: bool = True) -> tuple[list[int], np.ndarray]:
+        """The blocks of batch the machine code may take (write into, for a load), and
+        their addresses."""
+        indices: list[int] = []
+        addresses: list[int] = []
+        for index in batch:
+            dest = self._buffers[index]
+            if writes_into and memoryview(dest).readonly:
+                continue
+            at = batchio.address(dest)
+            if batchio.eligible(dest, direct, at):
+                indices.append(index)
+                addresses.append(at)
+        return indices, np.array(addresses, dtype=np.int64)
+
+
+class _Rows:
+    """A job's blocks in memory as rows of one 2-D uint8 array: block i is row ids[i].
+    Every row has the same size and alignment, so one check covers all."""
+
+    def __init__(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        if rows.ndim != 2 or rows.dtype != np.uint8:
+            raise ValueError(f"rows must be a 2-D uint8 array, not {rows.ndim}-D {rows.dtype}")
+        if len(ids) and (ids.min() < 0 or ids.max() >= rows.shape[0]):
+            raise IndexError(f"row ids must lie in [0, {rows.shape[0]})")
+        self._rows, self._ids = rows, ids
+        self._row = rows.shape[1]
+        self._base = int(rows.ctypes.data)
+        self._stride = rows.strides[0]
+        self._contiguous = rows.strides[1] == 1
+        self._writable = bool(rows.flags.writeable)
+
+    def view(self, index: int) -> memoryview:
+        return memoryview(self._rows[self._ids[index]])
+
+    def size(self, index: int) -> int:
+        return self._row
+
+    def sizes(self, indices: list[int]) -> np.ndarray:
+        return np.full(len(indices), self._row, dtype=np.int64)
+
+    def total(self) -> int:
+        return len(self._ids) * self._row
+
+    def batchable(self, batch: range, direct: bool,
+                  writes_into: bool = True) -> tuple[list[int], np.ndarray]:
+        aligned = self._row % 8 == 0 and (not direct or (
+            self._row % 4096 == 0 and self._base % 4096 == 0 and self._stride % 4096 == 0))
+        usable = self._contiguous and (self._writable or not writes_into)
+        if not (usable and aligned and self._row):
+            return [], np.zeros(0, dtype=np.int64)
+        return list(batch), self._base + self._ids[batch.start:batch.stop] * self._stride
+
+
+_Dests = _Buffers | _Rows
+
+
 class BlockStore:
     def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
         self.cfg = config
@@ -413,22 +490,31 @@ class BlockStore:
 
     def store(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Queue the writes of one job; never blocks on I/O."""
-        job = self._start_job(job_id, "store", [k for k, _ in items])
-        nbytes = sum(len(v) for _, v in items)
+        self._store(job_id, [k for k, _ in items], _Buffers([d for _, d in items]))
+
+    def store_rows(self, job_id: int, keys: Sequence[bytes], rows: np.ndarray,
+                   row_ids: Sequence[int] | np.ndarray) -> None:
+        """store() from rows of one 2-D uint8 array (vLLM's CPU tier): rows[row_ids[i]]
+        as keys[i]. The same outcomes, addresses taken from the row indices."""
+        self._store(job_id, list(keys), _Rows(rows, np.asarray(row_ids, dtype=np.int64)))
+
+    def _store(self, job_id: int, keys: list[bytes], sources: _Dests) -> None:
+        job = self._start_job(job_id, "store", keys)
+        nbytes = sources.total()
         if self._would_overflow(nbytes):
-            self.metrics.dropped.labels("queue-full").inc(len(items))
+            self.metrics.dropped.labels("queue-full").inc(len(keys))
             self._log_once("queue-full", "kvtier write queue is over its %.1fs budget; "
                            "dropping stores", self.cfg.write_queue_seconds)
-            for i in range(len(items)):
+            for i in range(len(keys)):
                 self._done(job, i, False, 0)
             return
         with self._lock:
             self._queued_write_bytes += nbytes
         enqueued = time.monotonic()
-        block = len(items[0][1]) if items else 0
-        for batch in self._batches(len(items), block, reads=False):
-            self._pool.submit_write(lambda j=job, b=[(i, *items[i]) for i in batch]:
-                                    self._store_task(j, b, enqueued))
+        block = sources.size(0) if keys else 0
+        for batch in self._batches(len(keys), block, reads=False):
+            self._pool.submit_write(lambda j=job, b=batch: self._store_task(
+                j, keys, sources, b, enqueued))
 
     def _would_overflow(self, nbytes: int) -> bool:
         with self._lock:
@@ -461,18 +547,18 @@ class BlockStore:
             self._free_checked = (checked_at, free - size if ok else free, floor)
         return ok
 
-    def _store_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
+    def _store_task(self, job: _Job, keys: list[bytes], sources: _Dests, batch: range,
                     enqueued: float) -> None:
         progress = _BatchProgress()
         try:
-            self._store_batch(job, batch, enqueued, progress)
+            self._store_batch(job, keys, sources, batch, enqueued, progress)
         except Exception as err:  # never let one batch take down an I/O thread
             self.metrics.failed.labels(type(err).__name__).inc()
             self._log_once(f"store-{type(err).__name__}", "kvtier store failed: %s", err)
         finally:
-            for index, _, data in batch:
+            for index in batch:
                 if index not in progress.settled:
-                    self._store_settle(job, index, False, len(data), progress)
+                    self._store_settle(job, index, False, sources.size(index), progress)
 
     def _store_settle(self, job: _Job, index: int, ok: bool, size: int,
                       progress: _BatchProgress) -> None:
@@ -488,66 +574,70 @@ class BlockStore:
                     self._unwritten -= HEADER_SIZE + size
         self._done_all(job, results)
 
-    def _store_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
+    def _store_batch(self, job: _Job, keys: list[bytes], sources: _Dests, batch: range,
                      enqueued: float, progress: _BatchProgress) -> None:
         """Decide each block (drop, already there, write); write the batchable ones in
         one batch, the rest and whatever the batch could not finish on the Python path."""
         start = time.monotonic()
-        native: list[tuple[int, bytes, memoryview, str]] = []
-        addresses: list[int] = []
-        for index, key, data in batch:
+        at: dict[int, int] = {}
+        if self.batch_io:
+            indices, addresses = sources.batchable(batch, self.o_direct, writes_into=False)
+            at = dict(zip(indices, addresses.tolist(), strict=True))
+        native: list[tuple[int, str]] = []
+        for index in batch:
+            key, size = keys[index], sources.size(index)
             path = self.layout.path(key)
-            at = batchio.address(data) if self.batch_io else 0
-            batchable = self.batch_io and batchio.eligible(data, self.o_direct, at)
+            batchable = index in at
             # The batch checks for an existing file itself, in machine code.
-            verdict = self._store_verdict(key, len(data), path, enqueued, start,
-                                          look=not batchable)
+            verdict = self._store_verdict(key, size, path, enqueued, start, look=not batchable)
             if verdict is not None:
-                self._store_settle(job, index, verdict, len(data), progress)
+                self._store_settle(job, index, verdict, size, progress)
                 continue
             with self._lock:
-                self._unwritten += HEADER_SIZE + len(data)
+                self._unwritten += HEADER_SIZE + size
             progress.approved.add(index)
             if batchable:
-                native.append((index, key, data, path))
-                addresses.append(at)
+                native.append((index, path))
             else:
-                ok = self._store_python(key, data, path)
-                self._store_settle(job, index, ok, len(data), progress)
+                ok = self._store_python(key, sources.view(index), path)
+                self._store_settle(job, index, ok, size, progress)
         if not native:
             return
+        indices = [index for index, _ in native]
+        batch_keys = [keys[index] for index in indices]
+        sizes = sources.sizes(indices)
         headers = self._buffer(len(native) * HEADER_SIZE, "headers")
-        for _, _, _, path in native:
+        for _, path in native:
             self._ensure_parent(path)
-        encode_headers(self.layout.fingerprint, [k for _, k, _, _ in native],
-                       [len(d) for _, _, d, _ in native], memoryview(headers))
+        encode_headers(self.layout.fingerprint, batch_keys, sizes.tolist(), memoryview(headers))
         began = time.monotonic()
         token = secrets.token_hex(8)
         each = np.zeros(len(native))
-        status = batchio.write_files([self.layout.temp_path(k, token) for _, k, _, _ in native],
-                                      [p for _, _, _, p in native], [d for _, _, d, _ in native],
-                                      memoryview(headers), self.o_direct, self.cfg.fsync,
-                                      self._piece, seconds=each, addresses=addresses)
+        status = batchio.write_at([self.layout.temp_path(k, token) for k in batch_keys],
+                                  [p for _, p in native],
+                                  np.array([at[index] for index in indices], dtype=np.int64),
+                                  sizes, memoryview(headers), self.o_direct, self.cfg.fsync,
+                                  self._piece, seconds=each)
         seconds = time.monotonic() - began
         settled: list[tuple[int, bool, int]] = []
         written: list[bytes] = []
-        sizes: list[int] = []
+        written_sizes: list[int] = []
         times: list[float] = []
         there: list[bytes] = []
-        for (index, key, data, path), st, took in zip(native, status, each.tolist(),
-                                                      strict=True):
+        for (index, path), key, size, st, took in zip(native, batch_keys, sizes.tolist(),
+                                                      status, each.tolist(), strict=True):
             if st == batchio.DONE:
                 written.append(key)
-                sizes.append(len(data))
+                written_sizes.append(size)
                 times.append(took)
             elif st == batchio.EXISTS:  # another pod or node stored it first: same bytes
                 there.append(key)
             else:  # a directory reaped since it was made, or an error: Python decides
-                ok = self._store_python(key, data, path)
-                self._store_settle(job, index, ok, len(data), progress)
+                ok = self._store_python(key, sources.view(index), path)
+                self._store_settle(job, index, ok, size, progress)
                 continue
-            settled.append((index, True, len(data)))
-        self._stored_all(written, sizes, seconds, times)
+            settled.append((index, True, size))
+        self._stored_all(written, written_sizes, seconds, times)
         if there:
             self.metrics.operations.labels("store", "exists").inc(len(there))
             self._remember_all(there, True)
@@ -700,57 +790,57 @@ class BlockStore:
 
     def load(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Queue the reads of one job into the given (writable) buffers."""
-        job = self._start_job(job_id, "load", [k for k, _ in items])
-        block = len(items[0][1]) if items else 0
-        for batch in self._batches(len(items), block, reads=True):
-            self._pool.submit_read(lambda j=job, b=[(i, *items[i]) for i in batch]:
-                                   self._load_task(j, b))
+        self._load(job_id, [k for k, _ in items], _Buffers([d for _, d in items]))
 
-    def _load_task(self, job: _Job, batch: list[tuple[int, bytes, memoryview]]) -> None:
+    def load_rows(self, job_id: int, keys: Sequence[bytes], rows: np.ndarray,
+                  row_ids: Sequence[int] | np.ndarray) -> None:
+        """load() into rows of one 2-D uint8 array (vLLM's CPU tier): keys[i] into
+        rows[row_ids[i]]. The same outcomes; the batch path takes each row's address from
+        its index instead of a buffer object per row (less interpreter time per row)."""
+        self._load(job_id, list(keys), _Rows(rows, np.asarray(row_ids, dtype=np.int64)))
+
+    def _load(self, job_id: int, keys: list[bytes], dests: _Dests) -> None:
+        job = self._start_job(job_id, "load", keys)
+        for batch in self._batches(len(keys), dests.size(0) if keys else 0, reads=True):
+            self._pool.submit_read(lambda j=job, b=batch: self._load_task(j, keys, dests, b))
+
+    def _load_task(self, job: _Job, keys: list[bytes], dests: _Dests, batch: range) -> None:
         settled: set[int] = set()
         try:
             if self.batch_io:
                 # Machine code writes through a raw address: never into a read-only buffer.
-                native: list[tuple[int, bytes, memoryview]] = []
-                addresses: list[int] = []
-                for index, key, dest in batch:
-                    if memoryview(dest).readonly:
-                        continue
-                    at = batchio.address(dest)
-                    if batchio.eligible(dest, self.o_direct, at):
-                        native.append((index, key, dest))
-                        addresses.append(at)
-                if native:
-                    self._load_batch(job, native, addresses, settled)
-            for index, key, dest in batch:
+                indices, addresses = dests.batchable(batch, self.o_direct)
+                if indices:
+                    self._load_batch(job, keys, dests, indices, addresses, settled)
+            for index in batch:
                 if index not in settled:
-                    ok = self._load_one(key, dest)
+                    ok = self._load_one(keys[index], dests.view(index))
                     settled.add(index)  # only now: if it raised, finally reports it failed
-                    self._done(job, index, ok, len(dest))
+                    self._done(job, index, ok, dests.size(index))
         except Exception as err:
             self.metrics.operations.labels("load", "error").inc()
             self._log_once(f"load-{type(err).__name__}", "kvtier load failed: %s", err)
         finally:
-            for index, _, dest in batch:
+            for index in batch:
                 if index not in settled:
-                    self._done(job, index, False, len(dest))
+                    self._done(job, index, False, dests.size(index))
 
-    def _load_batch(self, job: _Job, batch: list[tuple[int, bytes, memoryview]],
-                    addresses: list[int], settled: set[int]) -> None:
+    def _load_batch(self, job: _Job, keys: list[bytes], dests: _Dests, indices: list[int],
+                    addresses: np.ndarray, settled: set[int]) -> None:
         """Read, hash and check a batch in one call, against the headers its blocks must
         have. A block it could not serve (missing, short, damaged, foreign) is left to the
         Python path (not settled), which reads it again and says why."""
-        headers = self._buffer(len(batch) * HEADER_SIZE, "headers")
-        expected = self._buffer(len(batch) * HEADER_SIZE, "expected")
-        keys = [key for _, key, _ in batch]
-        encode_headers(self.layout.fingerprint, keys, [len(d) for _, _, d in batch],
+        headers = self._buffer(len(indices) * HEADER_SIZE, "headers")
+        expected = self._buffer(len(indices) * HEADER_SIZE, "expected")
+        batch_keys = [keys[i] for i in indices]
+        sizes = dests.sizes(indices)
+        encode_headers(self.layout.fingerprint, batch_keys, sizes.tolist(),
                        memoryview(expected))
-        paths = [self.layout.path(key) for key in keys]
-        each = np.zeros(len(batch))
-        status, last_used = batchio.read_files(paths, [d for _, _, d in batch],
-                                               memoryview(headers), memoryview(expected),
-                                               self.o_direct, self._piece, seconds=each,
-                                               addresses=addresses)
+        paths = [self.layout.path(key) for key in batch_keys]
+        each = np.zeros(len(indices))
+        status, last_used = batchio.read_at(paths, addresses, sizes, memoryview(headers),
+                                            memoryview(expected), self.o_direct, self._piece,
+                                            seconds=each)
         served = np.flatnonzero(status == batchio.DONE).tolist()
         if not served:
             return
@@ -761,12 +851,14 @@ class BlockStore:
                     self._touch(paths[n], os.stat(paths[n]))
                 except OSError:
                     pass  # evicted since it was read: the bytes were verified, a hit
-        results = [(batch[n][0], True, len(batch[n][2])) for n in served]
-        self._remember_all([batch[n][1] for n in served], True)
+        served_sizes = sizes[served].tolist()
+        results = [(indices[n], True, size) for n, size in zip(served, served_sizes,
+                                                                strict=True)]
+        self._remember_all([batch_keys[n] for n in served], True)
         self.metrics.load_ok.inc(len(served))
-        self.metrics.load_bytes.inc(sum(size for _, _, size in results))
+        self.metrics.load_bytes.inc(sum(served_sizes))
         observe_all(self.metrics.load_latency, each[served])
-        settled.update(index for index, _, _ in results)
+        settled.update(indices[n] for n in served)
         self._done_all(job, results)
 
     def _load_one(self, key: bytes, dest: memoryview) -> bool:

@@ -93,9 +93,6 @@ class KvtierStorageTier(SecondaryTierManager):
                  self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
                  n_read_threads, n_write_threads)
 
-    def _row(self, chunk_id: int) -> memoryview:
-        return memoryview(self._rows[int(chunk_id)])
-
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -108,15 +105,15 @@ class KvtierStorageTier(SecondaryTierManager):
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         return  # recency lives on the files' atime, refreshed on every hit and load
 
+    # Both run on vLLM's scheduler thread: rows go by index (no buffer object per row) and
+    # OffloadKey is bytes (a NewType), so nothing is copied here.
     def submit_store(self, job_metadata: TransferJob) -> None:
-        items = [(bytes(k), self._row(c))
-                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
-        self.store.store(job_metadata.job_id, items)
+        self.store.store_rows(job_metadata.job_id, list(job_metadata.keys), self._rows,
+                              job_metadata.chunk_ids)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        items = [(bytes(k), self._row(c))
-                 for k, c in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True)]
-        self.store.load(job_metadata.job_id, items)
+        self.store.load_rows(job_metadata.job_id, list(job_metadata.keys), self._rows,
+                             job_metadata.chunk_ids)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []

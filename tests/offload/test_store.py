@@ -476,11 +476,11 @@ def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store,
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(store, "_check", broken)
-    monkeypatch.setattr(batchio, "read_files", broken)
+    monkeypatch.setattr(batchio, "read_at", broken)
     outcome = run_load(store, 2, list(zip(ks, rows(3, SIZE))))  # drain() would time out
     assert outcome.ok == [False, False, False]
     monkeypatch.setattr(store, "_write_file", broken)
-    monkeypatch.setattr(batchio, "write_files", broken)
+    monkeypatch.setattr(batchio, "write_at", broken)
     assert run_store(store, 3, list(zip(keys(2), rows(2, SIZE)))).ok == [False, False]
 
 
@@ -492,6 +492,94 @@ def test_a_read_only_destination_is_never_written(make_store):
     frozen = memoryview(backing).toreadonly()
     assert not run_load(store, 2, [(ks[0], frozen)]).success
     assert bytes(frozen) == bytes(SIZE)
+
+
+def region(n: int, row: int = SIZE, seed: int | None = None) -> np.ndarray:
+    """n rows of one page-aligned 2-D uint8 array, as vLLM's CPU tier holds them."""
+    rows2d = np.frombuffer(mmap.mmap(-1, n * row), np.uint8).reshape(n, row)
+    if seed is not None:
+        rows2d[:] = np.random.default_rng(seed).integers(0, 256, rows2d.shape, np.uint8)
+    return rows2d
+
+
+def run_rows(store: BlockStore, kind: str, job_id: int, ks, rows2d, ids) -> object:
+    (store.store_rows if kind == "store" else store.load_rows)(job_id, ks, rows2d, ids)
+    assert store.drain(30)
+    (outcome,) = [o for o in store.finished() if o.job_id == job_id]
+    return outcome
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_rows_by_index_store_and_load_what_buffers_do(make_store, tmp_path, batch_io):
+    store = make_store(batch_io=batch_io)
+    ks, src = keys(6), region(8, seed=71)
+    ids = [5, 0, 7, 2, 2, 3]  # any order, a row twice
+    assert run_rows(store, "store", 1, ks, src, ids).ok == [True] * 6
+    # The files are the ones store() writes: a buffer load reads them back.
+    dests = rows(6, SIZE)
+    assert run_load(store, 2, list(zip(ks, dests))).ok == [True] * 6
+    assert [bytes(d) for d in dests] == [src[i].tobytes() for i in ids]
+    # And rows load what buffers stored.
+    more, more_src = keys(3, b"more"), rows(3, SIZE, seed=72)
+    assert run_store(store, 3, list(zip(more, more_src))).success
+    dest = region(4)
+    outcome = run_rows(store, "load", 4, [ks[1], more[2], keys(1, b"missing")[0], more[0]],
+                       dest, [3, 0, 1, 2])
+    assert outcome.ok == [True, True, False, True]
+    assert dest[3].tobytes() == src[0].tobytes()
+    assert dest[0].tobytes() == bytes(more_src[2]) and dest[2].tobytes() == bytes(more_src[0])
+    assert dest[1].tobytes() == bytes(SIZE)  # the miss wrote nothing
+
+
+def test_rows_the_batch_path_cannot_take_go_the_python_way(make_store, monkeypatch):
+    store = make_store()
+    if not store.batch_io:
+        pytest.skip("the batch path is off here")
+    store.o_direct = False  # buffered: only the 8-byte-word rule keeps these rows out
+    odd = SIZE + 4  # not whole 8-byte words: the machine code takes no such row
+    ks, src = keys(2), region(2, odd, seed=73)
+    called = []
+    for name in ("_store_python", "_load_one"):
+        real = getattr(store, name)
+        monkeypatch.setattr(store, name,
+                            lambda *a, real=real, name=name: called.append(name) or real(*a))
+    assert run_rows(store, "store", 1, ks, src, [0, 1]).success
+    dest = region(2, odd)
+    assert run_rows(store, "load", 2, ks, dest, [1, 0]).success
+    assert dest[1].tobytes() == src[0].tobytes() and dest[0].tobytes() == src[1].tobytes()
+    assert sorted(called) == ["_load_one"] * 2 + ["_store_python"] * 2
+
+
+def test_rows_read_only_are_never_loaded_into(make_store):
+    store = make_store()
+    ks, src = keys(1), region(1, seed=74)
+    assert run_rows(store, "store", 1, ks, src, [0]).success
+    frozen = region(1)
+    frozen.flags.writeable = False
+    assert not run_rows(store, "load", 2, ks, frozen, [0]).success
+    assert frozen.tobytes() == bytes(SIZE)
+
+
+def test_rows_a_damaged_file_is_refused(make_store):
+    store = make_store()
+    ks, src = keys(2), region(2, seed=75)
+    assert run_rows(store, "store", 1, ks, src, [0, 1]).success
+    path = store.layout.path(ks[1])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 100)
+        f.write(b"\xff")
+    dest = region(2)
+    assert run_rows(store, "load", 2, ks, dest, [0, 1]).ok == [True, False]
+    assert not os.path.exists(path)
+
+
+def test_rows_bad_arguments_are_refused_before_any_work(make_store):
+    store = make_store()
+    with pytest.raises(ValueError, match="2-D uint8"):
+        store.load_rows(1, keys(1), np.zeros(SIZE, np.uint8), [0])
+    with pytest.raises(IndexError, match="row ids"):
+        store.store_rows(2, keys(1), region(2), [2])
+    assert store.pending_jobs() == 0
 
 
 @pytest.mark.parametrize("case", ["same", "key lengths differ", "payload lengths differ"])
