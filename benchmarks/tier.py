@@ -10,7 +10,6 @@ counts for both. Same directory, row size, thread count; each job must succeed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ from benchmarks.store import (
     on_disk_and_in_ram,
     side_by_side,
 )
+from benchmarks.store import keys as store_keys
 
 ROW_SIZES = (256 << 10, 2 << 20, 16 << 20)
 ROWS = 64  # CPU-tier rows the jobs cycle through (the store bench's arena)
@@ -107,7 +107,7 @@ def one(kind: str, base: str, row: int, job_rows: int) -> tuple[float, float]:
         del rows  # an exported view would keep vLLM from unmapping its CPU region
         n = max(TOTAL // row, 1)
         job_rows = job_rows or n
-        keys = [hashlib.sha256(f"{kind}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
+        keys = store_keys(n, kind)
 
         def jobs(first_id: int, promotion: bool) -> list[Any]:
             return [TransferJob(job_id=first_id + j, keys=keys[s:s + job_rows],

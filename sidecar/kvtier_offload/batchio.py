@@ -288,14 +288,6 @@ def eligible(buffer: memoryview, direct: bool, at: int | None = None) -> bool:
                           and (address(buffer) if at is None else at) % 4096 == 0)
 
 
-def _addresses_of(buffers: Sequence[memoryview], given: Sequence[int] | None) -> np.ndarray:
-    if given is None:
-        return _addresses(buffers)
-    if len(given) != len(buffers):
-        raise ValueError(f"{len(given)} addresses for {len(buffers)} buffers")
-    return np.array(given, dtype=np.int64)
-
-
 def _check_piece(piece: int) -> None:
     if piece < 0 or piece % 4096:
         raise ValueError(f"piece must be 0 or a multiple of 4096, not {piece}")
@@ -303,8 +295,7 @@ def _check_piece(piece: int) -> None:
 
 def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
                expected: memoryview, direct: bool, piece: int = 0,
-               seconds: np.ndarray | None = None,
-               addresses: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+               seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Read each file's header into headers[i * 4096:] and its payload into dests[i], and
     check them: the header must equal expected[i * 4096:] but for its digest field, which
     must equal the payload's digest. Returns (status, last use): DONE where all of that
@@ -312,9 +303,8 @@ def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memor
     where statx could not say. With direct, dests and headers must be 4 KiB aligned.
     piece: payloads larger than this move in pieces of it (a multiple of 4 KiB), each
     hashed while in cache; 0: one read per file (what a device wants). seconds: where
-    given, filled with each block's time (open to close), for the latency histogram.
-    addresses: the dests' addresses (batchio.address), where the caller has them."""
-    return read_at(paths, _addresses_of(dests, addresses),
+    given, filled with each block's time (open to close), for the latency histogram."""
+    return read_at(paths, _addresses(dests),
                    np.array([len(d) for d in dests], dtype=np.int64), headers, expected,
                    direct, piece, seconds)
 
@@ -345,14 +335,13 @@ def read_at(paths: Sequence[str], addresses: np.ndarray, sizes: np.ndarray,
 
 def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
                 headers: memoryview, direct: bool, fsync: bool, piece: int = 0,
-                seconds: np.ndarray | None = None,
-                addresses: Sequence[int] | None = None) -> np.ndarray:
+                seconds: np.ndarray | None = None) -> np.ndarray:
     """Write each block to its temp name (header from headers[i * 4096:], its digest
     filled in here; then the payload), close, and rename it to its final name. Returns
     per block DONE, EXISTS (its final name was already there: nothing written) or
     NOT_DONE; a block not done leaves no file behind. piece, seconds (here: from the
-    existence check to the rename), addresses (the datas'): as for read_files."""
-    return write_at(tmps, finals, _addresses_of(datas, addresses),
+    existence check to the rename): as for read_files."""
+    return write_at(tmps, finals, _addresses(datas),
                     np.array([len(d) for d in datas], dtype=np.int64), headers, direct, fsync,
                     piece, seconds)
 

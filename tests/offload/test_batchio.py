@@ -183,21 +183,25 @@ def test_paths_pack_as_c_strings_whatever_their_encoded_length():
         batchio._c_strings(["/v/a\0b", "/v/c"])
 
 
-def test_given_addresses_are_used_and_must_match_the_buffers(tmp_path):
+def test_given_addresses_are_used_and_must_match_the_paths(tmp_path):
+    import numpy as np
+
+    def at(buffers) -> np.ndarray:
+        return np.array([batchio.address(b) for b in buffers], dtype=np.int64)
+
     src = rows(2, SIZE, seed=7)
-    heads = expected(src)
+    sizes = np.full(2, SIZE, dtype=np.int64)
     finals = [str(tmp_path / f"{i}.kvb") for i in range(2)]
-    status = batchio.write_files([f"{f}.tmp" for f in finals], finals, src, heads, False, False,
-                                 addresses=[batchio.address(b) for b in src])
+    status = batchio.write_at([f"{f}.tmp" for f in finals], finals, at(src), sizes,
+                              expected(src), False, False)
     assert list(status) == [batchio.DONE] * 2
     dests = rows(2, SIZE, seed=8)
     # Swapped addresses: each file lands in the other buffer, so they are the ones used.
-    got, _ = batchio.read_files(finals, dests, headers(2), expected(src), False,
-                                addresses=[batchio.address(dests[1]), batchio.address(dests[0])])
+    got, _ = batchio.read_at(finals, at(dests[::-1]), sizes, headers(2), expected(src), False)
     assert list(got) == [batchio.DONE] * 2
     assert bytes(dests[0]) == bytes(src[1]) and bytes(dests[1]) == bytes(src[0])
     with pytest.raises(ValueError, match="addresses"):
-        batchio.read_files(finals, dests, headers(2), expected(src), False, addresses=[0])
+        batchio.read_at(finals, at(dests[:1]), sizes, headers(2), expected(src), False)
 
 
 def test_a_compile_failure_at_import_leaves_the_python_path_not_a_broken_import(tmp_path):
