@@ -18,6 +18,7 @@ its Python path for everything.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import sys
 from collections.abc import Sequence
@@ -25,13 +26,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier_offload import digest as payload_digest
-from kvtier_offload.fileformat import DIGEST_OFFSET, HEADER_SIZE
+from kvtier_offload.fileformat import (
+    DIGEST_OFFSET,
+    HEADER_SIZE,
+    KEY_LEN_OFFSET,
+    KEY_OFFSET,
+    LENGTH_OFFSET,
+    MAX_KEY,
+)
+from kvtier_offload.layout import SUFFIX, TEMP_SUFFIX
 
 DONE = 0
 NOT_DONE = 1
 EXISTS = 2  # a store whose final name was already there: nothing written
 _AT_EMPTY_PATH, _STATX_ATIME, _STATX_MTIME = 0x1000, 0x20, 0x40
 _CLOCK_MONOTONIC = 1
+O_ACCMODE = 3  # of open()'s flags: O_RDONLY, O_WRONLY or O_RDWR
 _STATX_ATIME_AT, _STATX_MTIME_AT = 64, 112  # struct statx is the same on every arch
 
 
@@ -45,20 +55,23 @@ def address(buffer: memoryview) -> int:
         return int(np.frombuffer(buffer, np.uint8).ctypes.data)
 
 
-def _addresses(buffers: Sequence[memoryview]) -> np.ndarray:
-    return np.array([address(b) for b in buffers], dtype=np.int64)
+def _packed(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The keys one after another, and where each starts (one more entry: the end).
+    (Plain iterators, not numpy steps: a few of those would cost more than the batch's
+    whole interpreter time per block.)"""
+    lengths = list(map(len, keys))
+    if lengths and max(lengths) > MAX_KEY:
+        raise ValueError(f"a key is longer than {MAX_KEY} bytes")
+    bounds = np.fromiter(itertools.accumulate(lengths, initial=0), np.int64, len(keys) + 1)
+    return np.frombuffer(b"".join(keys), dtype=np.uint8), bounds
 
 
-def _c_strings(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """NUL-terminated paths packed into one array, and where each starts (encoded in one
-    call, the starts found from the NULs)."""
-    raw = np.frombuffer(os.fsencode("\0".join(paths) + "\0"), dtype=np.uint8)
-    ends = np.flatnonzero(raw == 0)
-    if len(ends) != max(len(paths), 1):
-        raise ValueError("a path holds a NUL byte")
-    starts = np.zeros(len(paths), dtype=np.int64)
-    starts[1:] = ends[:-1][:len(paths) - 1] + 1
-    return raw, starts
+def _crc_table() -> np.ndarray:
+    """zlib's crc32 (reflected 0xEDB88320), a byte at a time."""
+    table = np.arange(256, dtype=np.int64)
+    for _ in range(8):
+        table = np.where(table & 1, 0xEDB88320 ^ (table >> 1), table >> 1)
+    return table
 
 
 def _build() -> tuple[object, object]:
@@ -155,14 +168,14 @@ def _build() -> tuple[object, object]:
         done = 0
         if not write:
             first = min(piece, size)
-            if not header_and_payload(fd, header, payload, first, False):
+            if not header_and_payload(fd, header, payload, first, write):
                 return False
         while done < size:
             n = min(piece, size - done)
-            if not write and done and not transfer(fd, payload + done, n, 4096 + done, False):
+            if not write and done and not transfer(fd, payload + done, n, 4096 + done, write):
                 return False
             digest_absorb(lanes, numba.carray(words_at(payload + done), n // 8), secret)
-            if write and not transfer(fd, payload + done, n, 4096 + done, True):
+            if write and not transfer(fd, payload + done, n, 4096 + done, write):
                 return False
             done += n
         cut = size // 256 * 256  # words past the last whole stripe (of the last piece)
@@ -170,7 +183,7 @@ def _build() -> tuple[object, object]:
                                   np.uint64(0), np.uint64(size))
         if write:
             numba.carray(words_at(header), 4096 // 8)[DIGEST_OFFSET // 8] = digest[0]
-            return transfer(fd, header, 4096, 0, True)
+            return transfer(fd, header, 4096, 0, write)
         return True
 
     @numba.njit(nogil=True)
@@ -178,37 +191,116 @@ def _build() -> tuple[object, object]:
         c_clock_gettime(_CLOCK_MONOTONIC, timespec.ctypes.data)
         return timespec[0] * 10**9 + timespec[1]
 
+    crc_table = _crc_table()
+    hex_digits = np.frombuffer(b"0123456789abcdef", np.uint8).copy()
+    suffix = np.frombuffer(SUFFIX.encode(), np.uint8).copy()
+    temp_suffix = np.frombuffer(TEMP_SUFFIX.encode(), np.uint8).copy()
+    slash, dot = ord("/"), ord(".")
+
     @numba.njit(nogil=True)
-    def header_expected(got: np.ndarray, want: np.ndarray, first: int) -> bool:  # pragma: no cover
+    def copy_into(out: np.ndarray, at: int, data: np.ndarray) -> int:  # pragma: no cover
+        for j in range(data.shape[0]):
+            out[at + j] = data[j]
+        return at + data.shape[0]
+
+    @numba.njit(nogil=True)
+    def hex_into(out: np.ndarray, at: int, data: np.ndarray, start: int,
+                 stop: int) -> int:  # pragma: no cover (machine code)
+        for j in range(start, stop):
+            out[at] = hex_digits[data[j] >> 4]
+            out[at + 1] = hex_digits[data[j] & 15]
+            at += 2
+        return at
+
+    @numba.njit(nogil=True)
+    def path_into(out: np.ndarray, base: np.ndarray, keys: np.ndarray, k0: int, k1: int,
+                  token: np.ndarray) -> None:  # pragma: no cover (machine code)
+        # Layout.path (or, given a token, Layout.temp_path) of keys[k0:k1], NUL-terminated.
+        n = base.shape[0]
+        for j in range(n):
+            out[j] = base[j]
+        out[n] = slash
+        n = hex_into(out, n + 1, keys, k0, min(k0 + 1, k1))
+        out[n] = slash
+        n = hex_into(out, n + 1, keys, min(k0 + 1, k1), min(k0 + 2, k1))
+        out[n] = slash
+        n += 1
+        if token.shape[0]:
+            out[n] = dot
+            n += 1
+        n = copy_into(out, hex_into(out, n, keys, k0, k1), suffix)
+        if token.shape[0]:
+            out[n] = dot
+            n = copy_into(out, copy_into(out, n + 1, token), temp_suffix)
+        out[n] = 0
+
+    @numba.njit(nogil=True)
+    def header_into(out: np.ndarray, at: int, prefix: np.ndarray, size: int, keys: np.ndarray,
+                    k0: int, k1: int) -> None:  # pragma: no cover (machine code)
+        # fileformat.encode_header(fingerprint, keys[k0:k1], size, 0) into out[at:]
+        for j in range(at, at + 4096):
+            out[j] = 0
+        copy_into(out, at, prefix)
+        for j in range(8):
+            out[at + LENGTH_OFFSET + j] = (size >> (8 * j)) & 0xFF
+        length = k1 - k0
+        out[at + KEY_LEN_OFFSET] = length & 0xFF
+        out[at + KEY_LEN_OFFSET + 1] = length >> 8
+        end = at + KEY_OFFSET + length
+        for j in range(length):
+            out[at + KEY_OFFSET + j] = keys[k0 + j]
+        crc = 0xFFFFFFFF
+        for j in range(at, end):
+            crc = crc_table[(crc ^ out[j]) & 0xFF] ^ (crc >> 8)
+        crc ^= 0xFFFFFFFF
+        for j in range(4):
+            out[end + j] = (crc >> (8 * j)) & 0xFF
+
+    @numba.njit(nogil=True)
+    def scratch_path(base: np.ndarray, bounds: np.ndarray,
+                     token: np.ndarray) -> np.ndarray:  # pragma: no cover (machine code)
+        longest = 0
+        for i in range(bounds.shape[0] - 1):
+            longest = max(longest, bounds[i + 1] - bounds[i])
+        return np.empty(base.shape[0] + 2 * longest + token.shape[0] + 32, np.uint8)
+
+    @numba.njit(nogil=True)
+    def header_expected(got: np.ndarray, first: int, want: np.ndarray) -> bool:  # pragma: no cover
         # Every word as expected except the payload digest, checked against the payload.
-        digest_word = first + DIGEST_OFFSET // 8
-        for w in range(first, first + HEADER_SIZE // 8):
-            if w != digest_word and got[w] != want[w]:
+        for w in range(HEADER_SIZE // 8):
+            if w != DIGEST_OFFSET // 8 and got[first + w] != want[w]:
                 return False
         return True
 
     @numba.njit(nogil=True)
-    def read_batch(paths: np.ndarray, starts: np.ndarray, dests: np.ndarray,
-                   sizes: np.ndarray, headers: np.ndarray, expected: np.ndarray, flags: int,
+    def read_batch(base: np.ndarray, prefix: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
+                   dests: np.ndarray, sizes: np.ndarray, headers: np.ndarray, flags: int,
                    piece: int, secret: np.ndarray, status: np.ndarray,
                    last_used: np.ndarray, elapsed: np.ndarray) -> None:  # pragma: no cover
-        got, want = headers.view(np.uint64), expected.view(np.uint64)
+        got = headers.view(np.uint64)
+        want = np.zeros(HEADER_SIZE, np.uint8)
+        # Typed values, not literals (False, 0): numba compiles a callee once more for
+        # each literal it is called with, seconds at import.
+        write, origin = (flags & O_ACCMODE) != os.O_RDONLY, np.int64(0)
+        want_words = want.view(np.uint64)
+        path = scratch_path(base, bounds, keys[:0])
         stx = np.zeros(256 // 8, np.int64)
         digest = np.zeros(1, np.uint64)
         clock = np.zeros(2, np.int64)
-        for i in range(starts.shape[0]):
+        for i in range(dests.shape[0]):
             status[i] = 1
             began = now_ns(clock)
-            fd = c_open(paths.ctypes.data + starts[i], flags, 0)
+            path_into(path, base, keys, bounds[i], bounds[i + 1], keys[:0])
+            fd = c_open(path.ctypes.data, flags, 0)
             if fd < 0:
                 elapsed[i] = now_ns(clock) - began
                 continue
             if 0 < piece < sizes[i]:
                 whole = in_pieces(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i], piece,
-                                  False, secret, digest)
+                                  write, secret, digest)
             else:
                 whole = header_and_payload(fd, headers.ctypes.data + i * 4096, dests[i],
-                                           sizes[i], False)
+                                           sizes[i], write)
                 if whole:
                     digest[0] = digest_at(dests[i], sizes[i], secret)
             if whole and c_statx(fd, empty.ctypes.data, _AT_EMPTY_PATH,
@@ -219,61 +311,78 @@ def _build() -> tuple[object, object]:
                                                             & 0xFFFFFFFF)
                 last_used[i] = max(atime, mtime)
             c_close(fd)  # read-only: nothing to lose on a failed close
-            first = i * (HEADER_SIZE // 8)
-            if whole and header_expected(got, want, first) and got[
-                    first + DIGEST_OFFSET // 8] == digest[0]:
-                status[i] = 0
+            if whole:
+                header_into(want, origin, prefix, sizes[i], keys, bounds[i], bounds[i + 1])
+                first = i * (HEADER_SIZE // 8)
+                if header_expected(got, first, want_words) and got[
+                        first + DIGEST_OFFSET // 8] == digest[0]:
+                    status[i] = 0
             elapsed[i] = now_ns(clock) - began
 
     @numba.njit(nogil=True)
-    def write_batch(tmps: np.ndarray, tmp_starts: np.ndarray, finals: np.ndarray,
-                    final_starts: np.ndarray, datas: np.ndarray, sizes: np.ndarray,
+    def write_batch(base: np.ndarray, prefix: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
+                    token: np.ndarray, datas: np.ndarray, sizes: np.ndarray,
                     headers: np.ndarray, flags: int, fsync: bool, piece: int,
                     secret: np.ndarray, status: np.ndarray,
                     elapsed: np.ndarray) -> None:  # pragma: no cover
         digest_slots = headers.view(np.uint64)
+        write = (flags & O_ACCMODE) != os.O_RDONLY  # not the literal True (see read_batch)
+        final = scratch_path(base, bounds, token)
+        tmp = scratch_path(base, bounds, token)
         digest = np.zeros(1, np.uint64)
         clock = np.zeros(2, np.int64)
-        for i in range(tmp_starts.shape[0]):
+        for i in range(datas.shape[0]):
             status[i] = 1
             began = now_ns(clock)
-            final = finals.ctypes.data + final_starts[i]
-            if c_access(final, 0) == 0:  # another writer got there first: same bytes
+            path_into(final, base, keys, bounds[i], bounds[i + 1], token[:0])
+            if c_access(final.ctypes.data, 0) == 0:  # another writer got there first
                 status[i] = 2
                 elapsed[i] = now_ns(clock) - began
                 continue
+            header_into(headers, i * 4096, prefix, sizes[i], keys, bounds[i], bounds[i + 1])
             pieces = 0 < piece < sizes[i]
             if not pieces:
-                digest_slots[(i * 4096 + 24) // 8] = digest_at(datas[i], sizes[i], secret)
-            tmp = tmps.ctypes.data + tmp_starts[i]
-            fd = c_open(tmp, flags, 0o664)
+                digest_slots[(i * 4096 + DIGEST_OFFSET) // 8] = digest_at(datas[i], sizes[i],
+                                                                           secret)
+            path_into(tmp, base, keys, bounds[i], bounds[i + 1], token)
+            fd = c_open(tmp.ctypes.data, flags, 0o664)
             if fd < 0:
                 elapsed[i] = now_ns(clock) - began
                 continue
             if pieces:
                 ok = in_pieces(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i], piece,
-                               True, secret, digest)
+                               write, secret, digest)
             else:
                 ok = header_and_payload(fd, headers.ctypes.data + i * 4096, datas[i],
-                                        sizes[i], True)
+                                        sizes[i], write)
             if ok and fsync:
                 ok = c_fdatasync(fd) == 0
             ok = c_close(fd) == 0 and ok  # NFS reports ENOSPC at close
-            if ok and c_rename(tmp, final) == 0:
+            if ok and c_rename(tmp.ctypes.data, final.ctypes.data) == 0:
                 status[i] = 0
             else:
-                c_unlink(tmp)
+                c_unlink(tmp.ctypes.data)
             elapsed[i] = now_ns(clock) - began
 
-    assert DIGEST_OFFSET == 24 and HEADER_SIZE == 4096  # as compiled above
-    return read_batch, write_batch
+    @numba.njit(nogil=True)
+    def built(base: np.ndarray, prefix: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
+              token: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+        # What the two above build for block 0: its path (a temp name with a token), header.
+        path = scratch_path(base, bounds, token)
+        path_into(path, base, keys, bounds[0], bounds[1], token)
+        header = np.zeros(HEADER_SIZE, np.uint8)
+        header_into(header, 0, prefix, size, keys, bounds[0], bounds[1])
+        return path, header
+
+    assert HEADER_SIZE == 4096  # as compiled above
+    return read_batch, write_batch, built
 
 
 try:
-    _read_batch, _write_batch = _build()
+    _read_batch, _write_batch, _built = _build()
     UNAVAILABLE_REASON = ""
 except Exception as err:  # no numba, not Linux, a libc without these symbols
-    _read_batch = _write_batch = None
+    _read_batch = _write_batch = _built = None
     UNAVAILABLE_REASON = f"{type(err).__name__}: {err}"
 AVAILABLE = _read_batch is not None
 
@@ -293,76 +402,61 @@ def _check_piece(piece: int) -> None:
         raise ValueError(f"piece must be 0 or a multiple of 4096, not {piece}")
 
 
-def read_files(paths: Sequence[str], dests: Sequence[memoryview], headers: memoryview,
-               expected: memoryview, direct: bool, piece: int = 0,
-               seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Read each file's header into headers[i * 4096:] and its payload into dests[i], and
-    check them: the header must equal expected[i * 4096:] but for its digest field, which
-    must equal the payload's digest. Returns (status, last use): DONE where all of that
-    holds, else NOT_DONE; last use is the later of the file's atime and mtime in ns, 0
-    where statx could not say. With direct, dests and headers must be 4 KiB aligned.
-    piece: payloads larger than this move in pieces of it (a multiple of 4 KiB), each
-    hashed while in cache; 0: one read per file (what a device wants). seconds: where
-    given, filled with each block's time (open to close), for the latency histogram."""
-    return read_at(paths, _addresses(dests),
-                   np.array([len(d) for d in dests], dtype=np.int64), headers, expected,
-                   direct, piece, seconds)
+def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np.ndarray,
+                sizes: np.ndarray, headers: memoryview, direct: bool, piece: int = 0,
+                seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Read the block file of each key under base (a Layout's base directory, encoded),
+    its header into headers[i * 4096:] and its payload, sizes[i] bytes (int64, a multiple
+    of 8), to addresses[i] (int64), and check them: the header must be the one
+    fileformat.encode_header makes for this key and size (prefix: header_prefix of the
+    fingerprint) but for its digest field, which must equal the payload's digest. Paths
+    and expected headers are built in machine code, not per block in Python.
 
-
-def read_at(paths: Sequence[str], addresses: np.ndarray, sizes: np.ndarray,
-            headers: memoryview, expected: memoryview, direct: bool, piece: int = 0,
-            seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """read_files into raw memory: payload i goes to addresses[i] (int64), sizes[i] bytes
-    (int64, a multiple of 8). The caller vouches that each range is writable memory it
-    owns, and with direct, 4 KiB aligned."""
+    Returns (status, last use): DONE where all of that holds, else NOT_DONE; last use is
+    the later of the file's atime and mtime in ns, 0 where statx could not say. The caller
+    vouches that each address range is writable memory it owns; with direct, addresses and
+    headers must be 4 KiB aligned. piece: payloads larger than this move in pieces of it
+    (a multiple of 4 KiB), each hashed while in cache; 0: one read per file (what a device
+    wants). seconds: where given, filled with each block's time (open to close)."""
     _check_piece(piece)
-    n = len(paths)
+    n = len(keys)
     if len(addresses) != n or len(sizes) != n:
-        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} paths")
-    raw, starts = _c_strings(paths)
+        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
+    packed, bounds = _packed(keys)
     status = np.ones(n, dtype=np.int64)
     last_used = np.zeros(n, dtype=np.int64)
     elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    _read_batch(raw, starts, np.ascontiguousarray(addresses, dtype=np.int64),  # type: ignore[misc]
+    _read_batch(_c_bytes(base), np.frombuffer(prefix, np.uint8), packed,  # type: ignore[misc]
+                bounds, np.ascontiguousarray(addresses, dtype=np.int64),
                 np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
-                np.frombuffer(expected, np.uint8), flags, piece, payload_digest.SECRET, status,
-                last_used, elapsed)
+                flags, piece, payload_digest.SECRET, status, last_used, elapsed)
     if seconds is not None:
         seconds[:] = elapsed * 1e-9
     return status, last_used
 
 
-def write_files(tmps: Sequence[str], finals: Sequence[str], datas: Sequence[memoryview],
-                headers: memoryview, direct: bool, fsync: bool, piece: int = 0,
-                seconds: np.ndarray | None = None) -> np.ndarray:
-    """Write each block to its temp name (header from headers[i * 4096:], its digest
-    filled in here; then the payload), close, and rename it to its final name. Returns
-    per block DONE, EXISTS (its final name was already there: nothing written) or
-    NOT_DONE; a block not done leaves no file behind. piece, seconds (here: from the
-    existence check to the rename): as for read_files."""
-    return write_at(tmps, finals, _addresses(datas),
-                    np.array([len(d) for d in datas], dtype=np.int64), headers, direct, fsync,
-                    piece, seconds)
-
-
-def write_at(tmps: Sequence[str], finals: Sequence[str], addresses: np.ndarray,
-             sizes: np.ndarray, headers: memoryview, direct: bool, fsync: bool,
-             piece: int = 0, seconds: np.ndarray | None = None) -> np.ndarray:
-    """write_files from raw memory: payload i is sizes[i] bytes (int64, a multiple of 8)
-    at addresses[i] (int64), memory the caller vouches for (4 KiB aligned with direct)."""
+def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes,
+                 addresses: np.ndarray, sizes: np.ndarray, headers: memoryview, direct: bool,
+                 fsync: bool, piece: int = 0, seconds: np.ndarray | None = None) -> np.ndarray:
+    """Write each key's block file under base: its header (built here into
+    headers[i * 4096:], digest filled in) and the payload of sizes[i] bytes at
+    addresses[i], to the temp name with this token (Layout.temp_path), close, and rename it
+    to its final name. Returns per block DONE, EXISTS (its final name was already there:
+    nothing written) or NOT_DONE; a block not done leaves no file behind. The fan-out
+    directories must exist. piece, seconds (here: from the existence check to the
+    rename), memory and alignment: as for read_blocks."""
     _check_piece(piece)
-    n = len(tmps)
-    if len(finals) != n or len(addresses) != n or len(sizes) != n:
-        raise ValueError(f"{len(finals)} final names, {len(addresses)} addresses and "
-                         f"{len(sizes)} sizes for {n} temp names")
-    tmp_raw, tmp_starts = _c_strings(tmps)
-    final_raw, final_starts = _c_strings(finals)
+    n = len(keys)
+    if len(addresses) != n or len(sizes) != n:
+        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
+    packed, bounds = _packed(keys)
     status = np.ones(n, dtype=np.int64)
     elapsed = np.zeros(n, dtype=np.int64)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
-    _write_batch(tmp_raw, tmp_starts, final_raw, final_starts,  # type: ignore[misc]
+    _write_batch(_c_bytes(base), np.frombuffer(prefix, np.uint8),  # type: ignore[misc]
+                 packed, bounds, _c_bytes(token),
                  np.ascontiguousarray(addresses, dtype=np.int64),
                  np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
                  flags, fsync, piece, payload_digest.SECRET, status, elapsed)
@@ -371,15 +465,32 @@ def write_at(tmps: Sequence[str], finals: Sequence[str], addresses: np.ndarray,
     return status
 
 
+def built_for(base: bytes, prefix: bytes, key: bytes, size: int,
+              token: bytes = b"") -> tuple[bytes, bytes]:
+    """The path (a temp name, given a token) and header the batch functions build for
+    one block: to check them against Layout and fileformat."""
+    packed, bounds = _packed([key])
+    path, header = _built(_c_bytes(base), np.frombuffer(prefix, np.uint8),  # type: ignore[misc]
+                          packed, bounds, _c_bytes(token), size)
+    return bytes(path[:int(np.flatnonzero(path == 0)[0])]), header.tobytes()
+
+
+def _c_bytes(name: bytes) -> np.ndarray:
+    if b"\0" in name:
+        raise ValueError("a path holds a NUL byte")
+    return np.frombuffer(name, np.uint8)
+
+
 if AVAILABLE:
     # Compile now (about 3 s, once per process), not inside the first transfer a user
     # waits on, and through the wrappers, so the argument types are exactly the ones real
     # calls pass (numba compiles again for any other type, read-only arrays included).
     try:
-        _none = memoryview(bytearray(0))
-        read_files([], [], _none, _none, False)
-        write_files([], [], [], _none, False, False)
+        _none = np.zeros(0, dtype=np.int64)
+        read_blocks(b"/", bytes(16), [], _none, _none, memoryview(bytearray(0)), False)
+        write_blocks(b"/", bytes(16), [], b"0", _none, _none, memoryview(bytearray(0)), False,
+                     False)
     except Exception as err:  # a numba that cannot compile this: the Python path only
-        _read_batch = _write_batch = None
+        _read_batch = _write_batch = _built = None
         UNAVAILABLE_REASON = f"{type(err).__name__}: {err}"
         AVAILABLE = False

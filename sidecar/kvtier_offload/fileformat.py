@@ -20,17 +20,17 @@ from __future__ import annotations
 import functools
 import struct
 import zlib
-from collections.abc import Sequence
-
-import numpy as np
 
 MAGIC = b"KVTB"
 VERSION = 3
 HEADER_SIZE = 4096
 _FIXED = struct.Struct("<4sHH8sQQH")
+_PREFIX = struct.Struct("<4sHH8s")  # the fields every block of one configuration shares
 _CRC = struct.Struct("<I")
 _DIGEST = struct.Struct("<Q")
-DIGEST_OFFSET = 24  # of the payload digest in the header
+# Where the fields after the prefix start (the batch path builds headers from these).
+LENGTH_OFFSET, DIGEST_OFFSET, KEY_LEN_OFFSET, KEY_OFFSET = 16, 24, 32, 34
+assert _PREFIX.size == LENGTH_OFFSET and _FIXED.size == KEY_OFFSET
 MAX_KEY = HEADER_SIZE - _FIXED.size - _CRC.size
 _ZEROS = bytes(HEADER_SIZE)
 
@@ -62,38 +62,9 @@ def encode_header(fingerprint: str, key: bytes, payload_len: int, payload_digest
                      _ZEROS[:HEADER_SIZE - _FIXED.size - len(key) - _CRC.size]))
 
 
-@functools.lru_cache(maxsize=64)
-def _template(fingerprint: str, payload_len: int, key_len: int) -> np.ndarray:
-    """A header of this geometry with a zero key and crc, read-only: a batch's headers
-    start as copies of it."""
-    template = np.frombuffer(encode_header(fingerprint, bytes(key_len), payload_len, 0),
-                             np.uint8).copy()
-    template[_FIXED.size + key_len:_FIXED.size + key_len + _CRC.size] = 0
-    template.flags.writeable = False
-    return template
-
-
-def encode_headers(fingerprint: str, keys: Sequence[bytes], payload_lens: Sequence[int],
-                   out: memoryview) -> None:
-    """encode_header(fingerprint, key, payload_len, 0) of each block, one after another
-    into out. Where a batch's blocks share key and payload lengths (the usual case), its
-    headers come from one template with the keys copied in one step: a third of the cost
-    of one encode_header per block."""
-    count = len(keys)
-    if not count:
-        return
-    rows = np.frombuffer(out, np.uint8, count * HEADER_SIZE).reshape(count, HEADER_SIZE)
-    size, length = len(keys[0]), payload_lens[0]
-    if any(len(key) != size for key in keys) or any(n != length for n in payload_lens):
-        for row, key, n in zip(rows, keys, payload_lens, strict=True):
-            row[:] = np.frombuffer(encode_header(fingerprint, key, n, 0), np.uint8)
-        return
-    rows[:] = _template(fingerprint, length, size)
-    _, crc = _fixed(fingerprint, length, size)
-    end = _FIXED.size + size
-    rows[:, _FIXED.size:end] = np.frombuffer(b"".join(keys), np.uint8).reshape(count, size)
-    crcs = np.array([zlib.crc32(key, crc) for key in keys], dtype="<u4")
-    rows[:, end:end + _CRC.size] = crcs.view(np.uint8).reshape(count, _CRC.size)
+def header_prefix(fingerprint: str) -> bytes:
+    """The first LENGTH_OFFSET bytes of every header of this configuration."""
+    return _PREFIX.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(fingerprint))
 
 
 def decode_header(header: bytes | memoryview, fingerprint: str, key: bytes,

@@ -32,7 +32,7 @@ from kvtier_offload.fileformat import (
     BadBlock,
     decode_header,
     encode_header,
-    encode_headers,
+    header_prefix,
     padded,
 )
 from kvtier_offload.iopool import IOPool
@@ -224,7 +224,7 @@ class _Rows:
     def __init__(self, rows: np.ndarray, ids: np.ndarray) -> None:
         if rows.ndim != 2 or rows.dtype != np.uint8:
             raise ValueError(f"rows must be a 2-D uint8 array, not {rows.ndim}-D {rows.dtype}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= rows.shape[0]):
+        if len(ids) and ids.view(np.uint64).max() >= rows.shape[0]:  # negatives wrap: huge
             raise IndexError(f"row ids must lie in [0, {rows.shape[0]})")
         self._rows, self._ids = rows, ids
         self._row = rows.shape[1]
@@ -262,6 +262,8 @@ class BlockStore:
     def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
+        self._base_c = os.fsencode(self.layout.base)  # what the batch path builds on
+        self._prefix = header_prefix(config.fingerprint)
         self.metrics = metrics or Metrics()
         try:
             self.layout.ensure_dir(self.layout.base)
@@ -609,15 +611,13 @@ class BlockStore:
         headers = self._buffer(len(native) * HEADER_SIZE, "headers")
         for _, path in native:
             self._ensure_parent(path)
-        encode_headers(self.layout.fingerprint, batch_keys, sizes.tolist(), memoryview(headers))
         began = time.monotonic()
-        token = secrets.token_hex(8)
         each = np.zeros(len(native))
-        status = batchio.write_at([self.layout.temp_path(k, token) for k in batch_keys],
-                                  [p for _, p in native],
-                                  np.array([at[index] for index in indices], dtype=np.int64),
-                                  sizes, memoryview(headers), self.o_direct, self.cfg.fsync,
-                                  self._piece, seconds=each)
+        status = batchio.write_blocks(self._base_c, self._prefix, batch_keys,
+                                      secrets.token_hex(8).encode(),
+                                      np.array([at[index] for index in indices], dtype=np.int64),
+                                      sizes, memoryview(headers), self.o_direct, self.cfg.fsync,
+                                      self._piece, seconds=each)
         seconds = time.monotonic() - began
         settled: list[tuple[int, bool, int]] = []
         written: list[bytes] = []
@@ -831,24 +831,21 @@ class BlockStore:
         have. A block it could not serve (missing, short, damaged, foreign) is left to the
         Python path (not settled), which reads it again and says why."""
         headers = self._buffer(len(indices) * HEADER_SIZE, "headers")
-        expected = self._buffer(len(indices) * HEADER_SIZE, "expected")
         batch_keys = [keys[i] for i in indices]
         sizes = dests.sizes(indices)
-        encode_headers(self.layout.fingerprint, batch_keys, sizes.tolist(),
-                       memoryview(expected))
-        paths = [self.layout.path(key) for key in batch_keys]
         each = np.zeros(len(indices))
-        status, last_used = batchio.read_at(paths, addresses, sizes, memoryview(headers),
-                                            memoryview(expected), self.o_direct, self._piece,
-                                            seconds=each)
+        status, last_used = batchio.read_blocks(self._base_c, self._prefix, batch_keys,
+                                                addresses, sizes, memoryview(headers),
+                                                self.o_direct, self._piece, seconds=each)
         served = np.flatnonzero(status == batchio.DONE).tolist()
         if not served:
             return
         stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
         for n in served:
             if last_used[n] <= stale:  # (or unknown) once per touch_interval at most
+                path = self.layout.path(batch_keys[n])
                 try:
-                    self._touch(paths[n], os.stat(paths[n]))
+                    self._touch(path, os.stat(path))
                 except OSError:
                     pass  # evicted since it was read: the bytes were verified, a hit
         served_sizes = sizes[served].tolist()
