@@ -295,7 +295,7 @@ class BlockStore:
         self._write_bps = 0.0  # EMA of store throughput, bytes/s
         self._queued_write_bytes = 0
         self._unwritten = 0  # bytes approved for writing, not yet written or failed
-        self._made_dirs: set[str] = set()
+        self._made_dirs: set[bytes] = set()  # fan-out directories, by a key's first 2 bytes
         self._blocked_until = 0.0
         self._backoff = 0.0
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
@@ -585,13 +585,12 @@ class BlockStore:
         if self.batch_io:
             indices, addresses = sources.batchable(batch, self.o_direct, writes_into=False)
             at = dict(zip(indices, addresses.tolist(), strict=True))
-        native: list[tuple[int, str]] = []
+        indices: list[int] = []
         for index in batch:
             key, size = keys[index], sources.size(index)
-            path = self.layout.path(key)
             batchable = index in at
             # The batch checks for an existing file itself, in machine code.
-            verdict = self._store_verdict(key, size, path, enqueued, start, look=not batchable)
+            verdict = self._store_verdict(key, size, enqueued, start, look=not batchable)
             if verdict is not None:
                 self._store_settle(job, index, verdict, size, progress)
                 continue
@@ -599,20 +598,19 @@ class BlockStore:
                 self._unwritten += HEADER_SIZE + size
             progress.approved.add(index)
             if batchable:
-                native.append((index, path))
+                indices.append(index)
             else:
-                ok = self._store_python(key, sources.view(index), path)
+                ok = self._store_python(key, sources.view(index), self.layout.path(key))
                 self._store_settle(job, index, ok, size, progress)
-        if not native:
+        if not indices:
             return
-        indices = [index for index, _ in native]
         batch_keys = [keys[index] for index in indices]
         sizes = sources.sizes(indices)
-        headers = self._buffer(len(native) * HEADER_SIZE, "headers")
-        for _, path in native:
-            self._ensure_parent(path)
+        headers = self._buffer(len(indices) * HEADER_SIZE, "headers")
+        for key in batch_keys:
+            self._ensure_parent(key)
         began = time.monotonic()
-        each = np.zeros(len(native))
+        each = np.zeros(len(indices))
         status = batchio.write_blocks(self._base_c, self._prefix, batch_keys,
                                       secrets.token_hex(8).encode(),
                                       np.array([at[index] for index in indices], dtype=np.int64),
@@ -624,8 +622,8 @@ class BlockStore:
         written_sizes: list[int] = []
         times: list[float] = []
         there: list[bytes] = []
-        for (index, path), key, size, st, took in zip(native, batch_keys, sizes.tolist(),
-                                                      status, each.tolist(), strict=True):
+        for index, key, size, st, took in zip(indices, batch_keys, sizes.tolist(),
+                                              status.tolist(), each.tolist(), strict=True):
             if st == batchio.DONE:
                 written.append(key)
                 written_sizes.append(size)
@@ -633,7 +631,7 @@ class BlockStore:
             elif st == batchio.EXISTS:  # another pod or node stored it first: same bytes
                 there.append(key)
             else:  # a directory reaped since it was made, or an error: Python decides
-                ok = self._store_python(key, sources.view(index), path)
+                ok = self._store_python(key, sources.view(index), self.layout.path(key))
                 self._store_settle(job, index, ok, size, progress)
                 continue
             settled.append((index, True, size))
@@ -643,21 +641,21 @@ class BlockStore:
             self._remember_all(there, True)
         self._store_settle_all(job, settled, progress)
 
-    def _ensure_parent(self, path: str) -> None:
+    def _ensure_parent(self, key: bytes) -> None:
         """Create a block's fan-out directory once per process, so first writes take the
         batch path too (one the evictor removed since makes that block fall back to the
-        Python path, which recreates it)."""
-        directory = os.path.dirname(path)
-        if directory not in self._made_dirs:
+        Python path, which recreates it). The directory is named by the key's first two
+        bytes: those stand for it, no path needed when it is there."""
+        if key[:2] not in self._made_dirs:
             try:
-                self.layout.ensure_dir(directory)
+                self.layout.ensure_dir(os.path.dirname(self.layout.path(key)))
             except OSError:
                 return  # the write finds out and says why
             with self._lock:  # at most 65,536: the layout's fan-out bounds it
-                self._made_dirs.add(directory)
+                self._made_dirs.add(key[:2])
 
-    def _store_verdict(self, key: bytes, size: int, path: str, enqueued: float,
-                       now: float, look: bool = True) -> bool | None:
+    def _store_verdict(self, key: bytes, size: int, enqueued: float, now: float,
+                       look: bool = True) -> bool | None:
         """False: drop this store; True: already stored; None: write it. look: also
         ask the volume whether the file is there (the batch path asks it itself)."""
         if now - enqueued > self.cfg.write_queue_seconds:
@@ -671,7 +669,7 @@ class BlockStore:
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._cached(key) or (look and os.path.exists(path)):
+        if self._cached(key) or (look and os.path.exists(self.layout.path(key))):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
