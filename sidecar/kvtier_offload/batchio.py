@@ -482,7 +482,7 @@ def _c_bytes(name: bytes) -> np.ndarray:
 
 
 if AVAILABLE:
-    # Compile now (about 3 s, once per process), not inside the first transfer a user
+    # Compile now (about 4 s, once per process), not inside the first transfer a user
     # waits on, and through the wrappers, so the argument types are exactly the ones real
     # calls pass (numba compiles again for any other type, read-only arrays included).
     try:
