@@ -18,6 +18,7 @@ its Python path for everything.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -293,7 +294,7 @@ def _build() -> tuple[object, object]:
             path_into(path, base, keys, bounds[i], bounds[i + 1], keys[:0])
             fd = c_open(path.ctypes.data, flags, 0)
             if fd < 0:
-                elapsed[i] = now_ns(clock) - began
+                elapsed[i] = (now_ns(clock) - began) * 1e-9
                 continue
             if 0 < piece < sizes[i]:
                 whole = in_pieces(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i], piece,
@@ -317,7 +318,7 @@ def _build() -> tuple[object, object]:
                 if header_expected(got, first, want_words) and got[
                         first + DIGEST_OFFSET // 8] == digest[0]:
                     status[i] = 0
-            elapsed[i] = now_ns(clock) - began
+            elapsed[i] = (now_ns(clock) - began) * 1e-9
 
     @numba.njit(nogil=True)
     def write_batch(base: np.ndarray, prefix: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
@@ -337,7 +338,7 @@ def _build() -> tuple[object, object]:
             path_into(final, base, keys, bounds[i], bounds[i + 1], token[:0])
             if c_access(final.ctypes.data, 0) == 0:  # another writer got there first
                 status[i] = 2
-                elapsed[i] = now_ns(clock) - began
+                elapsed[i] = (now_ns(clock) - began) * 1e-9
                 continue
             header_into(headers, i * 4096, prefix, sizes[i], keys, bounds[i], bounds[i + 1])
             pieces = 0 < piece < sizes[i]
@@ -347,7 +348,7 @@ def _build() -> tuple[object, object]:
             path_into(tmp, base, keys, bounds[i], bounds[i + 1], token)
             fd = c_open(tmp.ctypes.data, flags, 0o664)
             if fd < 0:
-                elapsed[i] = now_ns(clock) - began
+                elapsed[i] = (now_ns(clock) - began) * 1e-9
                 continue
             if pieces:
                 ok = in_pieces(fd, headers.ctypes.data + i * 4096, datas[i], sizes[i], piece,
@@ -362,7 +363,7 @@ def _build() -> tuple[object, object]:
                 status[i] = 0
             else:
                 c_unlink(tmp.ctypes.data)
-            elapsed[i] = now_ns(clock) - began
+            elapsed[i] = (now_ns(clock) - began) * 1e-9
 
     @numba.njit(nogil=True)
     def built(base: np.ndarray, prefix: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
@@ -423,16 +424,16 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
     if len(addresses) != n or len(sizes) != n:
         raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
     packed, bounds = _packed(keys)
-    status = np.ones(n, dtype=np.int64)
+    status = np.empty(n, dtype=np.int64)
     last_used = np.zeros(n, dtype=np.int64)
-    elapsed = np.zeros(n, dtype=np.int64)
+    elapsed = _seconds(seconds, n)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    _read_batch(_c_bytes(base), np.frombuffer(prefix, np.uint8), packed,  # type: ignore[misc]
-                bounds, np.ascontiguousarray(addresses, dtype=np.int64),
+    _read_batch(_c_bytes(base), _array(prefix), packed, bounds,  # type: ignore[misc]
+                np.ascontiguousarray(addresses, dtype=np.int64),
                 np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
                 flags, piece, payload_digest.SECRET, status, last_used, elapsed)
-    if seconds is not None:
-        seconds[:] = elapsed * 1e-9
+    if seconds is not None and elapsed is not seconds:
+        seconds[:] = elapsed
     return status, last_used
 
 
@@ -451,17 +452,16 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
     if len(addresses) != n or len(sizes) != n:
         raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
     packed, bounds = _packed(keys)
-    status = np.ones(n, dtype=np.int64)
-    elapsed = np.zeros(n, dtype=np.int64)
+    status = np.empty(n, dtype=np.int64)
+    elapsed = _seconds(seconds, n)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
-    _write_batch(_c_bytes(base), np.frombuffer(prefix, np.uint8),  # type: ignore[misc]
-                 packed, bounds, _c_bytes(token),
-                 np.ascontiguousarray(addresses, dtype=np.int64),
+    _write_batch(_c_bytes(base), _array(prefix), packed, bounds,  # type: ignore[misc]
+                 _c_bytes(token, False), np.ascontiguousarray(addresses, dtype=np.int64),
                  np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
                  flags, fsync, piece, payload_digest.SECRET, status, elapsed)
-    if seconds is not None:
-        seconds[:] = elapsed * 1e-9
+    if seconds is not None and elapsed is not seconds:
+        seconds[:] = elapsed
     return status
 
 
@@ -470,15 +470,31 @@ def built_for(base: bytes, prefix: bytes, key: bytes, size: int,
     """The path (a temp name, given a token) and header the batch functions build for
     one block: to check them against Layout and fileformat."""
     packed, bounds = _packed([key])
-    path, header = _built(_c_bytes(base), np.frombuffer(prefix, np.uint8),  # type: ignore[misc]
-                          packed, bounds, _c_bytes(token), size)
+    path, header = _built(_c_bytes(base), _array(prefix), packed,  # type: ignore[misc]
+                          bounds, _c_bytes(token), size)
     return bytes(path[:int(np.flatnonzero(path == 0)[0])]), header.tobytes()
 
 
-def _c_bytes(name: bytes) -> np.ndarray:
+@functools.lru_cache(maxsize=64)
+def _array(data: bytes) -> np.ndarray:
+    """Bytes as the machine code takes them: the same few (base, prefix) every batch."""
+    return np.frombuffer(data, np.uint8)
+
+
+def _c_bytes(name: bytes, same_every_batch: bool = True) -> np.ndarray:
     if b"\0" in name:
         raise ValueError("a path holds a NUL byte")
-    return np.frombuffer(name, np.uint8)
+    return _array(name) if same_every_batch else np.frombuffer(name, np.uint8)
+
+
+def _seconds(seconds: np.ndarray | None, n: int) -> np.ndarray:
+    """Where the machine code puts each block's time: the caller's array itself where it
+    is float64 and contiguous."""
+    if seconds is None:
+        return np.empty(n)
+    if len(seconds) != n:
+        raise ValueError(f"seconds holds {len(seconds)} values for {n} blocks")
+    return np.ascontiguousarray(seconds, dtype=np.float64)
 
 
 if AVAILABLE:

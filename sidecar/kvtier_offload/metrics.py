@@ -177,12 +177,25 @@ def observe_all(histogram: Any, values: Sequence[float] | np.ndarray) -> None:
     if not len(values):
         return
     # The first bound a value is <= to: prometheus' "le" buckets (the last bound is +Inf).
-    counts = np.bincount(np.searchsorted(bounds, values, side="left"),
-                         minlength=len(bounds))
+    # A batch's blocks mostly share one or two buckets: count those, not all of them.
+    found = np.searchsorted(_bounds_array(bounds), values, side="left").tolist()
     total.inc(float(values.sum()))
-    for bucket, count in zip(buckets, counts.tolist(), strict=False):
-        if count:
-            bucket.inc(count)
+    for index in set(found):
+        buckets[index].inc(found.count(index))
+
+
+_BOUNDS: dict[int, tuple[list[float], np.ndarray]] = {}
+
+
+def _bounds_array(bounds: list[float]) -> np.ndarray:
+    """A histogram's bucket bounds as an array, made once (searchsorted would convert the
+    list at every call); kept with the list itself, so a reused id cannot mislead."""
+    known = _BOUNDS.get(id(bounds))
+    if known is None or known[0] is not bounds:
+        if len(_BOUNDS) > 256:
+            _BOUNDS.clear()
+        known = _BOUNDS[id(bounds)] = (bounds, np.asarray(bounds, dtype=np.float64))
+    return known[1]
 
 
 class Metrics:

@@ -835,26 +835,29 @@ class BlockStore:
         status, last_used = batchio.read_blocks(self._base_c, self._prefix, batch_keys,
                                                 addresses, sizes, memoryview(headers),
                                                 self.o_direct, self._piece, seconds=each)
-        served = np.flatnonzero(status == batchio.DONE).tolist()
-        if not served:
-            return
+        if status.any():  # (DONE is 0) not all served; the usual case takes no indexing
+            served = np.flatnonzero(status == batchio.DONE).tolist()
+            if not served:
+                return
+            batch_keys = [batch_keys[n] for n in served]
+            indices = [indices[n] for n in served]
+            sizes, each, last_used = sizes[served], each[served], last_used[served]
         stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
-        for n in served:
-            if last_used[n] <= stale:  # (or unknown) once per touch_interval at most
+        if (last_used <= stale).any():  # (or unknown) once per touch_interval at most
+            for n in np.flatnonzero(last_used <= stale).tolist():
                 path = self.layout.path(batch_keys[n])
                 try:
                     self._touch(path, os.stat(path))
                 except OSError:
                     pass  # evicted since it was read: the bytes were verified, a hit
-        served_sizes = sizes[served].tolist()
-        results = [(indices[n], True, size) for n, size in zip(served, served_sizes,
-                                                                strict=True)]
-        self._remember_all([batch_keys[n] for n in served], True)
-        self.metrics.load_ok.inc(len(served))
+        served_sizes = sizes.tolist()
+        self._remember_all(batch_keys, True)
+        self.metrics.load_ok.inc(len(indices))
         self.metrics.load_bytes.inc(sum(served_sizes))
-        observe_all(self.metrics.load_latency, each[served])
-        settled.update(indices[n] for n in served)
-        self._done_all(job, results)
+        observe_all(self.metrics.load_latency, each)
+        settled.update(indices)
+        self._done_all(job, [(index, True, size) for index, size in zip(indices, served_sizes,
+                                                                        strict=True)])
 
     def _load_one(self, key: bytes, dest: memoryview) -> bool:
         """Load one block into dest on the Python path."""
