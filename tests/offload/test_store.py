@@ -572,6 +572,27 @@ def test_rows_a_damaged_file_is_refused(make_store):
     assert not os.path.exists(path)
 
 
+@pytest.mark.skipif(not batchio.AVAILABLE, reason=batchio.UNAVAILABLE_REASON or "-")
+@pytest.mark.parametrize("bad", [0, 2, 4], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("how", ["rows", "buffers"])
+def test_one_bad_block_inside_a_batch_fails_alone(make_store, bad, how):
+    store = make_store(read_threads=1, write_threads=0)  # one thread: the job is one batch
+    ks, src = keys(5), region(5, seed=76)
+    assert run_rows(store, "store", 1, ks, src, range(5)).success
+    os.unlink(store.layout.path(ks[bad]))
+    store.forget(ks[bad])
+    dest = region(5)
+    if how == "rows":
+        outcome = run_rows(store, "load", 2, ks, dest, range(5))
+    else:
+        outcome = run_load(store, 2, [(k, memoryview(row)) for k, row in zip(ks, dest)])
+    assert outcome.ok == [n != bad for n in range(5)]
+    assert outcome.nbytes == 4 * SIZE
+    for n in range(5):
+        assert dest[n].tobytes() == (bytes(SIZE) if n == bad else src[n].tobytes())
+    assert [store.lookup(k) for k in ks] == [n != bad for n in range(5)]  # remembered
+
+
 def test_rows_bad_arguments_are_refused_before_any_work(make_store):
     store = make_store()
     with pytest.raises(ValueError, match="2-D uint8"):
