@@ -317,3 +317,13 @@ def test_a_piece_is_whole_pages():
     with pytest.raises(ValueError, match="multiple of 4096"):
         batchio.write_blocks(b"/", PREFIX, [], b"0", none, none, headers(1), False, False,
                              piece=-4096)
+
+
+def test_block_times_reach_any_float_array_and_a_wrong_length_is_refused(tmp_path):
+    lay = layout(tmp_path)
+    write(lay, rows(2, SIZE, seed=19))
+    each = np.zeros(2, dtype=np.float32)  # not what the machine code writes: copied back
+    status, _ = read(lay, rows(2, SIZE), seconds=each)
+    assert list(status) == [batchio.DONE] * 2 and (each > 0).all() and (each < 60).all()
+    with pytest.raises(ValueError, match="seconds"):
+        read(lay, rows(2, SIZE), seconds=np.zeros(3))
