@@ -23,7 +23,7 @@ from kvtier_offload.fileformat import (
 )
 from kvtier_offload.layout import Layout, fingerprint
 from kvtier_offload.metrics import observe_all
-from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
+from kvtier_offload.store import BlockStore, StoreConfig, _Rows, probe_o_direct
 from tests.offload.conftest import FP, keys, rows, run_load, run_store
 
 SIZE = 64 * 1024
@@ -313,6 +313,48 @@ def test_close_errors_are_seen(make_store, monkeypatch):
     assert not run_store(store, 1, [(k[0], rows(1, SIZE)[0])]).success
     monkeypatch.setattr(os, "close", real_close)
     assert not os.path.exists(store.layout.path(k[0]))
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+@pytest.mark.parametrize("why", ["backoff", "stale"])
+def test_stores_backing_off_or_too_long_queued_are_dropped_on_either_path(make_store, batch_io,
+                                                                          why):
+    from prometheus_client import REGISTRY
+
+    def dropped() -> float:
+        return REGISTRY.get_sample_value("kvtier_offload_dropped_writes_total",
+                                         {"reason": why}) or 0.0
+
+    store = make_store(batch_io=batch_io, write_queue_seconds=30.0)
+    before = dropped()
+    ks, src = keys(3), region(3, seed=77)
+    job = store._start_job(1, "store", ks)
+    enqueued = time.monotonic()
+    if why == "backoff":
+        store._blocked_until = enqueued + 60.0
+    else:
+        enqueued -= 31.0  # queued longer than its budget
+    store._store_task(job, ks, _Rows(src, np.arange(3)), range(3), enqueued)
+    (outcome,) = store.finished()
+    assert outcome.ok == [False] * 3 and outcome.nbytes == 0
+    assert dropped() == before + 3
+    assert not any(os.path.exists(store.layout.path(k)) for k in ks)
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_a_store_the_lookup_cache_knows_is_not_written_again(make_store, batch_io):
+    store = make_store(batch_io=batch_io)
+    ks, src = keys(3), region(3, seed=78)
+    assert run_rows(store, "store", 1, ks, src, range(3)).success
+    os.unlink(store.layout.path(ks[1]))  # gone from the volume, still known as stored
+    outcome = run_rows(store, "store", 2, ks, src, range(3))
+    assert outcome.ok == [True] * 3 and outcome.nbytes == 3 * SIZE
+    assert not os.path.exists(store.layout.path(ks[1]))  # not rewritten
+    store.forget(ks[1])
+    assert run_rows(store, "store", 3, ks[1:2], src, [1]).success
+    assert os.path.exists(store.layout.path(ks[1]))
+    # every reservation against the queue and the free-space floor was given back
+    assert store._unwritten == 0 and store._queued_write_bytes == 0
 
 
 def test_free_space_floor_stops_writes(make_store):
