@@ -2,9 +2,10 @@
 
 The block store's Python path costs ~25 us of interpreter time per file, and every
 syscall in it hands the GIL between I/O threads; at 256 KiB that, not the copy, bounded
-throughput. Here a batch of files (open, pread/pwrite, digest, close, rename) runs as
-machine code compiled by numba (a vLLM dependency) calling libc directly, so I/O threads
-run truly in parallel and the interpreter is paid once per batch.
+throughput. Here a batch of files (each one's path and header built from its key, open,
+pread/pwrite, digest, close, rename) runs as machine code compiled by numba (a vLLM
+dependency) calling libc directly, so I/O threads run truly in parallel and the
+interpreter is paid once per batch, not per block.
 
 Only the common case lives here: a file that is whole, reads or writes in full and (on
 load) carries exactly the header expected and a payload matching its digest. Any other
