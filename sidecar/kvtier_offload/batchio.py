@@ -420,21 +420,14 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
     headers must be 4 KiB aligned. piece: payloads larger than this move in pieces of it
     (a multiple of 4 KiB), each hashed while in cache; 0: one read per file (what a device
     wants). seconds: where given, filled with each block's time (open to close)."""
-    _check_piece(piece)
-    n = len(keys)
-    if len(addresses) != n or len(sizes) != n:
-        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
-    packed, bounds = _packed(keys)
-    status = np.empty(n, dtype=np.int64)
-    last_used = np.zeros(n, dtype=np.int64)
-    elapsed = _seconds(seconds, n)
+    packed, bounds, addresses, sizes, status, elapsed = _arguments(keys, addresses, sizes,
+                                                                   piece, seconds)
+    last_used = np.zeros(len(keys), dtype=np.int64)
     flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     _read_batch(_c_bytes(base), _array(prefix), packed, bounds,  # type: ignore[misc]
-                np.ascontiguousarray(addresses, dtype=np.int64),
-                np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
-                flags, piece, payload_digest.SECRET, status, last_used, elapsed)
-    if seconds is not None and elapsed is not seconds:
-        seconds[:] = elapsed
+                addresses, sizes, np.frombuffer(headers, np.uint8), flags, piece,
+                payload_digest.SECRET, status, last_used, elapsed)
+    _times_back(seconds, elapsed)
     return status, last_used
 
 
@@ -448,21 +441,14 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
     nothing written) or NOT_DONE; a block not done leaves no file behind. The fan-out
     directories must exist. piece, seconds (here: from the existence check to the
     rename), memory and alignment: as for read_blocks."""
-    _check_piece(piece)
-    n = len(keys)
-    if len(addresses) != n or len(sizes) != n:
-        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
-    packed, bounds = _packed(keys)
-    status = np.empty(n, dtype=np.int64)
-    elapsed = _seconds(seconds, n)
+    packed, bounds, addresses, sizes, status, elapsed = _arguments(keys, addresses, sizes,
+                                                                   piece, seconds)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
     _write_batch(_c_bytes(base), _array(prefix), packed, bounds,  # type: ignore[misc]
-                 _c_bytes(token, False), np.ascontiguousarray(addresses, dtype=np.int64),
-                 np.ascontiguousarray(sizes, dtype=np.int64), np.frombuffer(headers, np.uint8),
+                 _c_bytes(token, False), addresses, sizes, np.frombuffer(headers, np.uint8),
                  flags, fsync, piece, payload_digest.SECRET, status, elapsed)
-    if seconds is not None and elapsed is not seconds:
-        seconds[:] = elapsed
+    _times_back(seconds, elapsed)
     return status
 
 
@@ -472,7 +458,7 @@ def built_for(base: bytes, prefix: bytes, key: bytes, size: int,
     one block: to check them against Layout and fileformat."""
     packed, bounds = _packed([key])
     path, header = _built(_c_bytes(base), _array(prefix), packed,  # type: ignore[misc]
-                          bounds, _c_bytes(token), size)
+                          bounds, _c_bytes(token, False), size)
     return bytes(path[:int(np.flatnonzero(path == 0)[0])]), header.tobytes()
 
 
@@ -488,14 +474,26 @@ def _c_bytes(name: bytes, same_every_batch: bool = True) -> np.ndarray:
     return _array(name) if same_every_batch else np.frombuffer(name, np.uint8)
 
 
-def _seconds(seconds: np.ndarray | None, n: int) -> np.ndarray:
-    """Where the machine code puts each block's time: the caller's array itself where it
-    is float64 and contiguous."""
-    if seconds is None:
-        return np.empty(n)
-    if len(seconds) != n:
+def _arguments(keys: Sequence[bytes], addresses: np.ndarray, sizes: np.ndarray, piece: int,
+               seconds: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """What read_batch and write_batch share, checked and typed as compiled: the keys
+    packed and their bounds, addresses, sizes, status to fill, and where each block's time
+    goes (the caller's seconds itself where it is float64 and contiguous)."""
+    _check_piece(piece)
+    n = len(keys)
+    if len(addresses) != n or len(sizes) != n:
+        raise ValueError(f"{len(addresses)} addresses and {len(sizes)} sizes for {n} keys")
+    if seconds is not None and len(seconds) != n:
         raise ValueError(f"seconds holds {len(seconds)} values for {n} blocks")
-    return np.ascontiguousarray(seconds, dtype=np.float64)
+    packed, bounds = _packed(keys)
+    return (packed, bounds, np.ascontiguousarray(addresses, dtype=np.int64),
+            np.ascontiguousarray(sizes, dtype=np.int64), np.empty(n, dtype=np.int64),
+            np.empty(n) if seconds is None else np.ascontiguousarray(seconds, np.float64))
+
+
+def _times_back(seconds: np.ndarray | None, elapsed: np.ndarray) -> None:
+    if seconds is not None and elapsed is not seconds:  # a copy _arguments made
+        seconds[:] = elapsed
 
 
 if AVAILABLE:

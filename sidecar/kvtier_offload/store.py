@@ -363,9 +363,12 @@ class BlockStore:
     def _cached(self, key: bytes) -> bool | None:
         with self._lock:
             entry = self._cache.get(key)
-        if entry is None or entry[1] < time.monotonic():
-            return None
-        return entry[0]
+        return self._answer(entry, time.monotonic())
+
+    @staticmethod
+    def _answer(entry: tuple[bool, float] | None, now: float) -> bool | None:
+        """A lookup-cache entry's answer now: None where there is none or it expired."""
+        return None if entry is None or entry[1] < now else entry[0]
 
     def _touch(self, path: str, st: os.stat_result) -> None:
         """Refresh atime on a hit so the evictor's LRU holds on noatime/relatime mounts;
@@ -661,7 +664,7 @@ class BlockStore:
         with self._lock:
             entries = [self._cache.get(keys[index]) for index in batch]
         there = [index for index, entry in zip(batch, entries, strict=True)
-                 if entry is not None and entry[0] and entry[1] >= now]
+                 if self._answer(entry, now)]
         if there:  # another pod or node stored them first: same bytes
             self.metrics.operations.labels("store", "exists").inc(len(there))
             self._store_settle_all(job, [(index, True, sources.size(index)) for index in there],
