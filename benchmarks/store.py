@@ -38,15 +38,21 @@ def keys(n: int, salt: str) -> list[bytes]:
     return [hashlib.sha256(f"{salt}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
 
 
+def vllm_paths(root: str, block_keys: list[bytes]) -> list[str]:
+    """Where vLLM's fs tier puts these blocks (its layout: rank, then two hash levels)."""
+    paths = []
+    for k in block_keys:
+        h = k[:32].hex()
+        paths.append(os.path.join(root, "vllm_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin"))
+    return paths
+
+
 def vllm_fs(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
     from vllm.v1.kv_offload.tiering.fs import io
 
     direct = io.probe_o_direct(root)
     view = memoryview(arena)
-    paths = []
-    for k in keys(n, "vllm"):
-        h = k[:32].hex()
-        paths.append(os.path.join(root, "vllm_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin"))
+    paths = vllm_paths(root, keys(n, "vllm"))
     offsets = [(i % ARENA_ROWS) * block for i in range(n)]
     batches = [list(range(t, n, THREADS)) for t in range(THREADS)]
 
