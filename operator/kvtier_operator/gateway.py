@@ -74,6 +74,9 @@ class Gateway:
                             self.apps.patch_namespaced_stateful_set, None),
             "ReplicaSet": (self.apps.read_namespaced_replica_set, None, None, None),
         }
+        # Listed only to find what the operator owns under an old name.
+        self._lists: dict[str, Callable[..., Any]] = {
+            "ConfigMap": self.core.list_namespaced_config_map}
 
     # ------------------------------------------------------------- plumbing
 
@@ -156,6 +159,18 @@ class Gateway:
 
     # ---------------------------------------------------------------- reads
 
+    def owned_names(self, kind: str, namespace: str, labels: dict[str, str],
+                    owner_uid: str) -> list[str]:
+        """Names of the objects of kind in namespace that carry all these labels and
+        are controlled by the owner with this uid (anyone can set a label: the owner
+        reference is the proof)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        data = self._call(f"{kind}s in {namespace}", self._lists[kind], namespace,
+                          label_selector=selector)
+        return [meta.get("name", "") for meta in
+                (item.get("metadata") or {} for item in data.get("items", []))
+                if controlled_by(meta, labels, owner_uid)]
+
     def events_for(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
         selector = f"involvedObject.kind={kind},involvedObject.name={name}"
         data = self._call(f"events of {kind} {namespace}/{name}", self.core.list_namespaced_event,
@@ -197,6 +212,15 @@ class Gateway:
                    GROUP, VERSION, namespace, PLURAL, name, {"status": status},
                    field_manager=FIELD_MANAGER,
                    _content_type="application/merge-patch+json")
+
+
+def controlled_by(meta: dict[str, Any], labels: dict[str, str], owner_uid: str) -> bool:
+    """Whether an object's metadata carries these labels and names owner_uid as its
+    controlling owner."""
+    have = meta.get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items()) and any(
+        ref.get("uid") == owner_uid and ref.get("controller")
+        for ref in meta.get("ownerReferences") or [])
 
 
 def contains(live: Any, want: Any) -> bool:

@@ -474,7 +474,9 @@ class Router(ApiModel):
         description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
     )
     config_map_name: str | None = Field(
-        default=None, description="Name of that ConfigMap; default <name>-router."
+        default=None,
+        description="Name of that ConfigMap; default <name>-router. Renaming it deletes the "
+        "one the operator made under the old name."
     )
     block_size: int = Field(
         default=16,

@@ -159,6 +159,23 @@ def _apply_owned(tpc: TieredPrefixCache, gw: Gateway, desired: dict[str, Any] | 
     return None
 
 
+def _drop_renamed(tpc: TieredPrefixCache, gw: Gateway, kind: str, component: str,
+                  keep: str | None, events: list[tuple[str, str, str]]) -> str | None:
+    """Delete what this cache owns of kind and component under any name but keep (the
+    spec renamed it, or no longer wants it); returns the server's refusal, if any."""
+    if not tpc.metadata.uid:
+        return None  # nothing can be owned by a cache the server has not stored
+    try:
+        for name in gw.owned_names(kind, tpc.namespace, names.owned_labels(tpc, component),
+                                   tpc.metadata.uid):
+            if name != keep and gw.delete(kind, tpc.namespace, name):
+                why = f"renamed to {keep}" if keep else "no longer wanted"
+                events.append(("Normal", "Deleted", f"deleted {kind} {name} ({why})"))
+    except ApiRejected as err:
+        return _rejected(events, err)
+    return None
+
+
 def invalid_status(body: dict[str, Any], err: InvalidResource, now: str) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     message = "; ".join(err.messages)
@@ -180,8 +197,11 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
-    router_error = _apply_owned(tpc, gw, render_router_configmap(tpc), "ConfigMap",
-                                names.router_configmap_name(tpc), events)
+    router = render_router_configmap(tpc)
+    router_error = _apply_owned(tpc, gw, router, "ConfigMap", names.router_configmap_name(tpc),
+                                events) or _drop_renamed(
+        tpc, gw, "ConfigMap", "router", names.router_configmap_name(tpc) if router else None,
+        events)
     digest = config_hash(tpc, ctx)
     counts = count_pods(tpc, pods, digest)
     if counts.pending:

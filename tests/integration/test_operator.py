@@ -91,6 +91,23 @@ async def test_spec_update_changes_objects_and_removes_unwanted_ones(kmock):
                     what="generation 2 observed")
 
 
+async def test_renamed_router_configmap_replaces_the_old_one(kmock):
+    setup(kmock)
+    seed(kmock, cache({"router": {"enabled": True}}))
+    async with operator(kmock):
+        ours = await until(lambda: configmap(kmock), what="configmap")
+        foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+            "name": "hand-made", "namespace": NS, "labels": ours["metadata"]["labels"]}}
+        kmock.objects["v1/configmaps", NS, "hand-made"] = foreign
+        await kmock.patch(f"/apis/kvtier.dev/v1alpha1/namespaces/{NS}/tieredprefixcaches/cache",
+                          json={"spec": {"router": {"enabled": True, "configMapName": "epp"}},
+                                "metadata": {"generation": 2}},
+                          headers={"Content-Type": "application/merge-patch+json"})
+        await until(lambda: configmap(kmock, "epp"), what="the new configmap")
+        await until(lambda: configmap(kmock) is None, what="the old one deleted")
+    assert configmap(kmock, "hand-made") == foreign  # labelled as ours, owned by no cache
+
+
 async def test_drift_is_repaired_and_claims_never_shrink(kmock):
     setup(kmock)
     seed(kmock, cache())

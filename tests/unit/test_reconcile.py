@@ -9,7 +9,7 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains
+from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains, controlled_by
 from kvtier_operator.loading import parse_tpc
 from kvtier_operator.observe import pod_view
 from kvtier_operator.reconcile import reconcile
@@ -63,6 +63,12 @@ class FakeGateway:
     def events_for(self, ns, kind, name):
         return []
 
+    def owned_names(self, kind, ns, labels, owner_uid):
+        self._check("list", kind)
+        self.calls.append(("list", kind, ",".join(sorted(labels))))
+        return [name for (k, pns, name), o in self.store.items()
+                if k == kind and pns == ns and controlled_by(o["metadata"], labels, owner_uid)]
+
     def pod_identities(self, ns, selector):
         self.calls.append(("list", "Pod", selector))
         return {(o["metadata"]["name"], o["metadata"].get("uid", ""))
@@ -104,6 +110,48 @@ def test_garbage_collection_removes_exactly_the_owned_objects():
     assert ("PersistentVolumeClaim", "ml", "cache-kv-cache") in gw.store  # retained
 
 
+def router_maps(gw):
+    return sorted(name for (kind, _, name) in gw.store if kind == "ConfigMap")
+
+
+def test_renaming_the_router_configmap_deletes_the_old_one_and_nothing_else():
+    gw = FakeGateway()
+    run(gw, body({"router": {"enabled": True}}))
+    old = gw.store["ConfigMap", "ml", "cache-router"]
+    user_copy = copy.deepcopy(old)  # same labels, made by someone else: not ours to delete
+    user_copy["metadata"].update(name="copy", ownerReferences=[])
+    gw.store["ConfigMap", "ml", "copy"] = user_copy
+    other = copy.deepcopy(old)  # another cache's, same labels after a delete and recreate
+    other["metadata"].update(name="other", ownerReferences=[
+        {**old["metadata"]["ownerReferences"][0], "uid": "u-0"}])
+    gw.store["ConfigMap", "ml", "other"] = other
+
+    outcome = run(gw, body({"router": {"enabled": True, "configMapName": "epp"}}))
+    assert router_maps(gw) == ["copy", "epp", "other"]
+    assert ("Normal", "Deleted", "deleted ConfigMap cache-router (renamed to epp)") in \
+        outcome.events
+    assert outcome.ok
+
+    outcome = run(gw, body({"router": {"enabled": False, "configMapName": "epp"}}))
+    assert router_maps(gw) == ["copy", "other"]
+    outcome = run(gw, body({"router": {"enabled": True, "configMapName": "epp"}}))
+    run(gw, body({"router": {"enabled": False}}))  # disabled and renamed back at once
+    assert router_maps(gw) == ["copy", "other"]
+
+
+def test_a_refused_search_for_old_router_configmaps_is_reported():
+    gw = FakeGateway()
+    run(gw, body({"router": {"enabled": True}}))
+    gw.refuse["list", "ConfigMap"] = ApiRejected(
+        403, "Forbidden", 'cannot list resource "configmaps"', "ConfigMaps in ml")
+    outcome = run(gw, body({"router": {"enabled": True, "configMapName": "epp"}}))
+    cond = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    assert cond["reason"] == "RouterConfigRejected"
+    assert 'cannot list resource "configmaps"' in cond["message"]
+    assert not outcome.ok
+    assert router_maps(gw) == ["cache-router", "epp"]  # the new one is there all the same
+
+
 def test_delete_policy_flip_adds_and_removes_the_claim_owner_reference():
     gw = FakeGateway()
     run(gw, body())
@@ -122,7 +170,7 @@ def test_reconcile_twice_writes_nothing_the_second_time():
     run(gw, body({"router": {"enabled": True}}))
     gw.calls.clear()
     outcome = run(gw, body({"router": {"enabled": True}}))
-    assert [c for c in gw.calls if c[0] != "get"] == []
+    assert [c for c in gw.calls if c[0] not in ("get", "list")] == []
     assert outcome.events == []
 
 
@@ -218,12 +266,12 @@ def test_pending_pods_the_server_has_stay_pending():
     assert outcome.status["pendingPods"] == 1
 
 
-def test_no_listing_when_nothing_is_pending():
+def test_no_pod_listing_when_nothing_is_pending():
     gw = FakeGateway()
     doc = body({"storage": None})
     ok = decode_pod("decode-0", "uid-a", config_hash(parse_tpc(doc), CTX))
     run(gw, doc, [pod_view(ok)])
-    assert not [c for c in gw.calls if c[0] == "list"]
+    assert not [c for c in gw.calls if c[:2] == ("list", "Pod")]
 
 
 # ----------------------------------------------------------- the gateway
