@@ -148,7 +148,7 @@ def one_round(blocks: Blocks, first: int) -> dict[tuple[str, str], float]:
     blocks.clear(blocks.layout_paths)
     timed("store", STEPS[3], lambda: blocks.store_job(True))
     # Untimed: the first read of a freshly written tmpfs page costs more than later
-    # ones (the kernel moves it to its active list), and vLLM's files are read once per
+    # ones (probably the kernel's LRU bookkeeping), and vLLM's files are read once per
     # round, kvtier's three times: every timed load reads files read before.
     blocks.vllm_c(False, False)
     blocks.vllm_c(False, True)
