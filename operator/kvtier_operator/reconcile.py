@@ -187,7 +187,9 @@ def invalid_status(body: dict[str, Any], err: InvalidResource, now: str) -> dict
 
 
 def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[PodView],
-              runs: list[EvictorRun], now: str, conflicts: list[str] | None = None) -> Outcome:
+              runs: list[EvictorRun], now: str,
+              conflicts: dict[str, str] | None = None) -> Outcome:
+    """conflicts: pods the webhook left alone, with why (pod name: reason)."""
     try:
         tpc = parse_tpc(body)
     except InvalidResource as err:
@@ -204,13 +206,18 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
         events)
     digest = config_hash(tpc, ctx)
     counts = count_pods(tpc, pods, digest)
-    if counts.pending:
+    conflicts = conflicts or {}
+    if counts.pending or conflicts:
         # kopf's pod index keeps a pod whose deletion it never saw (a watch restarted across
-        # it): report, and restart workloads for, only the pods the server still has.
+        # it): report, restart workloads for, and keep conflicts of only the pods the
+        # server still has.
         live = gw.pod_identities(tpc.namespace, tpc.spec.selector.query())
         pods = [p for p in pods if p.namespace != tpc.namespace or p.identity in live]
         counts = count_pods(tpc, pods, digest)
-    injected = injected_condition(counts, conflicts or [])
+        live_names = {name for name, _ in live}
+        conflicts = {pod: why for pod, why in conflicts.items() if pod in live_names}
+    injected = injected_condition(counts, [f"pod {pod}: {why}"
+                                           for pod, why in sorted(conflicts.items())])
     if counts.pending and tpc.spec.rollout == RolloutPolicy.Auto and not conflicts:
         pending = [p for p in pods if p.namespace == tpc.namespace and p.name in counts.pending]
         result = roll(gw, tpc.namespace, pending, digest)

@@ -80,14 +80,14 @@ class ConflictLog:
         with self._lock:
             self._by_cache.setdefault((namespace, cache), {})[pod] = reason
 
-    def for_cache(self, namespace: str, cache: str, live_pods: Iterable[str]) -> list[str]:
-        """Conflicts of pods that still exist (forgetting the rest)."""
+    def for_cache(self, namespace: str, cache: str, live_pods: Iterable[str]) -> dict[str, str]:
+        """Conflicts (pod: reason) of pods that still exist (forgetting the rest)."""
         live = set(live_pods)
         with self._lock:
             entries = self._by_cache.get((namespace, cache), {})
             for gone in [p for p in entries if p not in live]:
                 del entries[gone]
-            return [f"pod {pod}: {reason}" for pod, reason in sorted(entries.items())]
+            return dict(sorted(entries.items()))
 
 
 def _pointer(parts: list[str]) -> str:

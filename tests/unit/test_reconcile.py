@@ -257,6 +257,27 @@ def test_pods_the_server_no_longer_has_are_neither_pending_nor_restarted():
     assert ("list", "Pod", "llm-d.ai/role=decode") in gw.calls
 
 
+def test_conflicts_of_pods_the_server_no_longer_has_are_dropped():
+    gw = FakeGateway()
+    doc = body({"storage": None})
+    digest = config_hash(parse_tpc(doc), CTX)
+    kept = decode_pod("decode-1", "uid-b")  # left alone by the webhook: no annotations
+    gw.store["Pod", "ml", "decode-1"] = kept
+    index = [pod_view(p) for p in (kept, decode_pod("gone", "g"),
+                                   decode_pod("decode-2", "uid-c", digest))]
+    gw.store["Pod", "ml", "decode-2"] = decode_pod("decode-2", "uid-c", digest)
+    why = "container 'vllm' already passes --kv-transfer-config"
+    outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    assert (injected["status"], injected["reason"]) == ("False", "Conflict")
+    assert injected["message"] == f"pod decode-1: {why}"  # not the pod deleted unseen
+
+    del gw.store["Pod", "ml", "decode-1"]  # its deletion missed by the index too
+    outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
+    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
+
+
 def test_pending_pods_the_server_has_stay_pending():
     gw = FakeGateway()
     doc = body({"storage": None})

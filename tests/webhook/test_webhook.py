@@ -163,8 +163,9 @@ async def test_hand_made_offloading_is_a_conflict_not_an_override(webhook):
     _, answer = await webhook.post(MUTATE_PATH, review(pod))
     assert answer["response"]["allowed"] and "patch" not in answer["response"]
     assert "already passes --kv-transfer-config" in answer["response"]["warnings"][0]
-    (conflict,) = webhook.conflicts.for_cache("llm-d", "qwen3-tiered", ["decode-1"])
-    assert conflict.startswith("pod decode-1: container 'modelserver' already passes")
+    (pod, conflict), = webhook.conflicts.for_cache("llm-d", "qwen3-tiered", ["decode-1"]).items()
+    assert pod == "decode-1"
+    assert conflict.startswith("container 'modelserver' already passes")
 
 
 async def test_two_caches_selecting_one_pod_both_report_it(webhook):
@@ -180,9 +181,9 @@ async def test_two_caches_selecting_one_pod_both_report_it(webhook):
     _, answer = await webhook.post(MUTATE_PATH, review(pod))
     assert "patch" not in answer["response"]
     for cache in ("a", "b"):
-        (c,) = webhook.conflicts.for_cache("llm-d", cache, ["decode-1"])
+        (c,) = webhook.conflicts.for_cache("llm-d", cache, ["decode-1"]).values()
         assert "selected by several TieredPrefixCaches (a, b)" in c
-    assert webhook.conflicts.for_cache("llm-d", "a", []) == []  # forgotten once the pod is gone
+    assert webhook.conflicts.for_cache("llm-d", "a", []) == {}  # forgotten once the pod is gone
 
 
 async def test_missing_container_is_reported(webhook):
