@@ -76,7 +76,7 @@ def _crc_table() -> np.ndarray:
     return table
 
 
-def _build() -> tuple[object, object]:
+def _build() -> tuple[object, object, object]:
     import numba
     from numba import types
     from numba.extending import intrinsic

@@ -183,7 +183,7 @@ def _stripe_loop() -> object:
     return stripes_of
 
 
-def _compile() -> tuple[object, object, object]:
+def _compile() -> tuple[object, object, object, object]:
     import numba
     from numba import types, uint64
 

@@ -878,13 +878,13 @@ class BlockStore:
             indices = [indices[n] for n in served]
             sizes, each, last_used = sizes[served], each[served], last_used[served]
         stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
-        if (last_used <= stale).any():  # (or unknown) once per touch_interval at most
-            for n in np.flatnonzero(last_used <= stale).tolist():
-                path = self.layout.path(batch_keys[n])
-                try:
-                    self._touch(path, os.stat(path))
-                except OSError:
-                    pass  # evicted since it was read: the bytes were verified, a hit
+        # Touched at most once per touch_interval (0, unknown, counts as stale).
+        for n in np.flatnonzero(last_used <= stale).tolist():
+            path = self.layout.path(batch_keys[n])
+            try:
+                self._touch(path, os.stat(path))
+            except OSError:
+                pass  # evicted since it was read: the bytes were verified, a hit
         served_sizes = sizes.tolist()
         self._remember_all(batch_keys, True)
         self.metrics.load_ok.inc(len(indices))
