@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kvtier_operator.loading import InvalidResource, load_documents, parse_tpc, split_tpcs
 from kvtier_operator.render.context import (
     DEFAULT_OPERATOR_IMAGE,
@@ -25,9 +27,29 @@ def _read(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
 
+def _objects(path: str) -> list[dict[str, Any]] | None:
+    """The YAML documents of `path`, or None after saying on stderr why they are unusable."""
+    try:
+        docs = load_documents(_read(path))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
+        # ValueError: e.g. an integer of more than 4300 digits
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"error: {path}: cannot read it as YAML: {reason[:300]}", file=sys.stderr)
+        return None
+    for number, doc in enumerate(docs, 1):
+        if not isinstance(doc, dict) or not isinstance(doc.get("metadata", {}), dict | None):
+            print(f"error: {path}: document {number} is not a Kubernetes object (a mapping "
+                  "whose metadata is a mapping)", file=sys.stderr)
+            return None
+    return docs
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     ctx = RenderContext(sidecar_image=args.sidecar_image, evictor_image=args.evictor_image)
-    tpc_docs, _ = split_tpcs(load_documents(_read(args.file)))
+    docs = _objects(args.file)
+    if docs is None:
+        return EXIT_INVALID
+    tpc_docs, _ = split_tpcs(docs)
     if not tpc_docs:
         print(f"error: {args.file} holds no TieredPrefixCache", file=sys.stderr)
         return EXIT_INVALID
@@ -43,7 +65,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         out += render_objects(tpc, ctx)
     status = 0
     if args.pod:
-        workloads = load_documents(_read(args.pod))
+        workloads = _objects(args.pod)
+        if workloads is None:
+            return EXIT_INVALID
         for obj in workloads:
             ns = (obj.get("metadata") or {}).get("namespace")
             mutated = obj

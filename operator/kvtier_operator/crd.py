@@ -13,6 +13,7 @@ from typing import Any
 
 from kvtier_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from kvtier_operator.models import TieredPrefixCacheSpec, TieredPrefixCacheStatus
+from kvtier_operator.rules import CR_NAME
 
 # Keywords pydantic may emit that are not JSONSchemaProps fields, or that the API server
 # forbids in structural schemas.
@@ -108,7 +109,9 @@ def openapi_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "kvtier.dev/v1alpha1"},
             "kind": {"type": "string", "description": "TieredPrefixCache"},
-            "metadata": {"type": "object"},
+            # A CRD may constrain metadata.name (and generateName) only.
+            "metadata": {"type": "object", "properties": {
+                "name": {"type": "string", **CR_NAME.pattern_schema()}}},
             "spec": {
                 **spec,
                 "description": "Which pods get the cache and how its tiers are sized.",

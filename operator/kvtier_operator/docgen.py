@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_operator.crd import openapi_schema
+from kvtier_operator.quantity import CR_MESSAGE
+from kvtier_operator.rules import CR_NAME_MAX
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -29,20 +31,25 @@ def _rules(node: dict[str, Any]) -> str:
             parts.append(f"{text.replace('=', '') if exclusive else text} {node[key]}")
     if "multipleOf" in node:
         parts.append(f"multiple of {node['multipleOf']}")
+    if "maxLength" in node and not node.get("x-kubernetes-int-or-string"):
+        parts.append(f"at most {node['maxLength']} character(s)")
     if "minLength" in node:
         parts.append(f"at least {node['minLength']} character(s)")
     if "minItems" in node:
         parts.append(f"at least {node['minItems']} item(s)")
     if node.get("x-kubernetes-int-or-string"):
-        parts.append("a Kubernetes quantity (e.g. `100Gi`), positive")
+        parts = [f"a positive Kubernetes quantity (e.g. `100Gi`); {CR_MESSAGE.split(', with ')[1]}"]
     elif "pattern" in node:
         parts.append(f"matches `{node['pattern']}`")
+    parts += [("refused if it " if rule["rule"].startswith("!") else "") + rule["message"]
+              for rule in node.get("x-kubernetes-validations", [])
+              if node.get("type") != "object"]
     return "; ".join(parts)
 
 
 def _walk(node: dict[str, Any], path: str, required: set[str], rows: list[str],
           checks: list[str]) -> None:
-    for rule in node.get("x-kubernetes-validations", []):
+    for rule in node.get("x-kubernetes-validations", []) if node.get("properties") else []:
         checks.append(f"- `{path}`: {rule['message']}")
     for name, sub in (node.get("properties") or {}).items():
         child = f"{path}.{name}"
@@ -79,11 +86,9 @@ def reference() -> str:
         "The validating webhook (and `kvtier render`, and the operator, which reports an "
         "`InvalidSpec` condition) also refuses, naming the field and the fix:",
         "",
-        "- quantities that do not parse or are not positive;",
-        "- `0 < lowWatermark < highWatermark <= 100` (and the same for inodes);",
-        "- a `mountPath` that is not absolute or would shadow a system directory "
-        "(`/`, `/dev`, `/proc`, `/sys`, `/etc`, `/usr`, `/var`, `/tmp`, ...);",
-        "- a cron `schedule` that is not five valid fields or an `@` macro;",
+        "- every rule in the table above, with the same message;",
+        "- label keys in `selector.matchLabels` (a CRD cannot constrain map keys), and "
+        "label-key prefixes longer than 253 characters;",
         "- an empty `selector`, or one that may select the same pods as another "
         "TieredPrefixCache in the namespace;",
         "- `pvc` together with `existingClaim`, or neither;",
@@ -91,7 +96,10 @@ def reference() -> str:
         "layers x kvHeads x headDim x 2 x dtype bytes;",
         "- `storage.backend` with `connector: lmcache`; `maxSizePerReplica` without it; "
         "`eviction.capacity: ClaimSize` with `existingClaim`;",
-        "- an explicit empty `storageClassName`; a name longer than 44 characters.",
+        "- an explicit empty `storageClassName`.",
+        "",
+        f"`metadata.name` must be a DNS-1123 subdomain of at most {CR_NAME_MAX} characters "
+        "(the CRD says so too): kvtier names a CronJob `<name>-evictor`, capped at 52.",
         "",
     ]
     return "\n".join(out)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from croniter import croniter
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,25 +23,49 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvtier_operator import API_VERSION, KIND
+from kvtier_operator import API_VERSION, KIND, rules
+from kvtier_operator.cron import SCHEDULE
 from kvtier_operator.durations import duration_seconds
-from kvtier_operator.quantity import normalize_quantity, quantity_bytes
-
-QUANTITY_PATTERN = (
-    r"^(\+)?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+from kvtier_operator.quantity import (
+    CR_MAX_INT,
+    CR_MAX_LENGTH,
+    CR_QUANTITY_REGEX,
+    normalize_quantity,
+    quantity_bytes,
 )
+from kvtier_operator.rules import Rule
 
+# A size: checked against a bounded grammar before any conversion (see quantity.py). The
+# CRD carries the same grammar as a pattern: a CEL rule on an int-or-string field would
+# be costed as a 3 MB string, which the API server refuses.
 Quantity = Annotated[
     str,
     BeforeValidator(normalize_quantity),
-    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "maxLength": CR_MAX_LENGTH,
+                    "pattern": CR_QUANTITY_REGEX, "minimum": 1, "maximum": CR_MAX_INT}),
 ]
 
-# Mount points that would shadow the container's own system directories.
-SYSTEM_PATHS = (
-    "/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/root",
-    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
-)
+
+def checked(*field_rules: Rule) -> Any:
+    """A string field under `field_rules`: the model checks them, the CRD carries them as
+    CEL rules with the same messages (and the strictest maxLength)."""
+    schema = {"type": "string", "maxLength": min(r.max_length for r in field_rules),
+              "x-kubernetes-validations": [r.cel() for r in field_rules]}
+    return Annotated[str, *(AfterValidator(r.check) for r in field_rules),
+                     WithJsonSchema(schema)]
+
+
+def patterned(rule: Rule, check: Any = None) -> Any:
+    """A string in a list or map: the CRD gets pattern and maxLength (a CEL rule there is
+    costed per item); the model checks the rule (or `check`, which may check more)."""
+    return Annotated[str, AfterValidator(check or rule.check),
+                     WithJsonSchema({"type": "string", **rule.pattern_schema()})]
+
+
+LabelKey = patterned(rules.LABEL_KEY, rules.check_label_key)
+LabelValue = patterned(rules.LABEL_VALUE)
+# Map keys cannot carry a schema in a CRD; the model checks them.
+MapLabelKey = Annotated[str, AfterValidator(rules.check_label_key)]
 
 DEFAULT_FILE_TOKENS = 256  # storage.blockSize when unset
 GPU_DIRECT_RULES = [
@@ -99,11 +122,11 @@ class CapacitySource(StrEnum):
 
 
 class LabelSelectorRequirement(ApiModel):
-    key: str = Field(min_length=1, description="Label key the requirement applies to.")
+    key: LabelKey = Field(description="Label key the requirement applies to.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
         description="In, NotIn, Exists or DoesNotExist."
     )
-    values: list[str] | None = Field(
+    values: list[LabelValue] | None = Field(
         default=None,
         description="Values for In and NotIn; must be empty for Exists and DoesNotExist.",
     )
@@ -130,7 +153,7 @@ class LabelSelector(ApiModel):
             ]
         }
     )
-    match_labels: dict[str, str] | None = Field(
+    match_labels: dict[MapLabelKey, LabelValue] | None = Field(
         default=None, description="Pods whose labels contain all of these key/value pairs."
     )
     match_expressions: list[LabelSelectorRequirement] | None = Field(
@@ -189,8 +212,7 @@ class ModelGeometry(ApiModel):
             ]
         }
     )
-    name: str = Field(
-        min_length=1,
+    name: checked(rules.MODEL_NAME) = Field(
         description="Model name as vLLM serves it (e.g. Qwen/Qwen3-32B); used by LMCache "
         "and the router config.",
     )
@@ -262,7 +284,7 @@ class CpuTier(ApiModel):
 
 class ClaimTemplate(ApiModel):
     size: Quantity = Field(description="Requested capacity of the new PVC, e.g. 9000Gi.")
-    storage_class_name: str | None = Field(
+    storage_class_name: checked(rules.STORAGE_CLASS_NAME) | None = Field(
         default=None,
         description="StorageClass of the new PVC (e.g. lustre, efs-sc). Omit for the "
         "cluster's default class; an explicit empty string is refused.",
@@ -281,9 +303,9 @@ class ClaimTemplate(ApiModel):
         "deleted; Delete removes it with the resource.",
     )
 
-    @field_validator("storage_class_name")
+    @field_validator("storage_class_name", mode="before")
     @classmethod
-    def _no_empty_class(cls, value: str | None) -> str | None:
+    def _no_empty_class(cls, value: object) -> object:
         if value == "":
             raise ValueError(
                 "an empty storageClassName disables dynamic provisioning; omit it to use "
@@ -301,11 +323,6 @@ class StorageTier(ApiModel):
                     "message": "spec.storage needs exactly one of pvc (a new claim) or "
                     "existingClaim (the name of one you manage)",
                 },
-                {
-                    "rule": "self.mountPath.startsWith('/')",
-                    "message": "spec.storage.mountPath must be an absolute path such as "
-                    "/mnt/files-storage",
-                },
             ]
         }
     )
@@ -318,12 +335,11 @@ class StorageTier(ApiModel):
     pvc: ClaimTemplate | None = Field(
         default=None, description="Create a PersistentVolumeClaim for the shared tier."
     )
-    existing_claim: str | None = Field(
+    existing_claim: checked(rules.CLAIM_NAME) | None = Field(
         default=None,
-        min_length=1,
         description="Use this existing PVC (never modified or deleted by kvtier).",
     )
-    mount_path: str = Field(
+    mount_path: checked(rules.MOUNT_PATH, rules.MOUNT_PATH_NOT_SYSTEM) = Field(
         default="/mnt/files-storage",
         description="Where the volume is mounted in the model-server container.",
     )
@@ -342,20 +358,6 @@ class StorageTier(ApiModel):
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
         "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
     )
-
-    @field_validator("mount_path")
-    @classmethod
-    def _mount_path(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"{value!r} is not absolute; use e.g. /mnt/files-storage")
-        normal = posixpath.normpath(value)
-        for system in SYSTEM_PATHS:
-            if normal == system or (system != "/" and normal.startswith(system + "/")):
-                raise ValueError(
-                    f"{value!r} would shadow the container's {system}; use a path of "
-                    "its own such as /mnt/files-storage"
-                )
-        return normal
 
     @property
     def file_tokens(self) -> int:
@@ -392,7 +394,7 @@ class Eviction(ApiModel):
             ]
         }
     )
-    schedule: str = Field(
+    schedule: checked(SCHEDULE) = Field(
         default="*/5 * * * *",
         description="Cron schedule of the evictor CronJob (five fields or @hourly etc.).",
     )
@@ -400,16 +402,17 @@ class Eviction(ApiModel):
         default=85, ge=1, le=100, description="Start evicting above this % of bytes used."
     )
     low_watermark: int = Field(
-        default=70, ge=0, le=99, description="Evict until bytes used fall below this %."
+        default=70, ge=1, le=99, description="Evict until bytes used fall below this %."
     )
     inode_high_watermark: int = Field(
         default=90, ge=1, le=100, description="Start evicting above this % of inodes used."
     )
     inode_low_watermark: int = Field(
-        default=80, ge=0, le=99, description="Evict until inodes used fall below this %."
+        default=80, ge=1, le=99, description="Evict until inodes used fall below this %."
     )
     min_idle: str = Field(
         default="10m",
+        max_length=32,
         pattern=r"^([0-9]+(h|m|s))+$",
         description="Never delete a file used more recently than this (e.g. 10m, 1h).",
     )
@@ -426,18 +429,6 @@ class Eviction(ApiModel):
         "wrote (match the model servers' group).",
     )
 
-    @field_validator("schedule")
-    @classmethod
-    def _cron(cls, value: str) -> str:
-        macros = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
-        if value.strip() in macros:
-            return value.strip()
-        if len(value.split()) != 5 or not croniter.is_valid(value):
-            raise ValueError(
-                f"{value!r} is not a five-field cron schedule; write e.g. '*/5 * * * *' or @hourly"
-            )
-        return value
-
     @field_validator("min_idle")
     @classmethod
     def _duration(cls, value: str) -> str:
@@ -451,8 +442,6 @@ class Eviction(ApiModel):
                 f"lowWatermark {self.low_watermark} must be below highWatermark "
                 f"{self.high_watermark} (0 < low < high <= 100); lower lowWatermark"
             )
-        if self.low_watermark <= 0:
-            raise ValueError("lowWatermark must be above 0 (0 < low < high <= 100)")
         if not self.inode_low_watermark < self.inode_high_watermark:
             raise ValueError(
                 f"inodeLowWatermark {self.inode_low_watermark} must be below "
@@ -473,7 +462,7 @@ class Router(ApiModel):
         default=False,
         description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
     )
-    config_map_name: str | None = Field(
+    config_map_name: checked(rules.CONFIG_MAP_NAME) | None = Field(
         default=None,
         description="Name of that ConfigMap; default <name>-router. Renaming it deletes the "
         "one the operator made under the old name."
@@ -495,7 +484,7 @@ class TieredPrefixCacheSpec(ApiModel):
     selector: LabelSelector = Field(
         description="Selects the model-server pods in this namespace to give the cache to."
     )
-    container_name: str | None = Field(
+    container_name: checked(rules.CONTAINER_NAME) | None = Field(
         default=None,
         description="Container running vLLM; default: the one whose command runs vllm serve.",
     )
@@ -654,21 +643,11 @@ class TieredPrefixCacheStatus(ApiModel):
 
 class ObjectMeta(ApiModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1)
-    namespace: str = "default"
+    # kvtier derives object names and label values from the name (rules.CR_NAME).
+    name: Annotated[str, AfterValidator(rules.CR_NAME.check)]
+    namespace: Annotated[str, AfterValidator(rules.NAMESPACE.check)] = "default"
     generation: int | None = None
     uid: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name_fits(cls, value: str) -> str:
-        # CronJob names are capped at 52 characters and kvtier adds "-evictor".
-        if len(value) > 44:
-            raise ValueError(
-                f"{value!r} is {len(value)} characters; at most 44 fit kvtier's object "
-                "names (<name>-evictor is a CronJob, capped at 52): shorten it"
-            )
-        return value
 
 
 class TieredPrefixCache(ApiModel):

@@ -136,8 +136,14 @@ def _schema_defaults(doc: dict) -> dict:
 
 
 def test_cel_rules_exist_for_cross_field_checks():
-    messages = [r["message"] for _, r in _rules(openapi_schema())]
-    assert len(messages) == 8
+    found = _rules(openapi_schema())
+    cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
+    assert len(cross_field) == 7
+    field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
+    assert field_rules == {"spec.containerName", "spec.model.name",
+                           "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
+                           "spec.storage.mountPath", "spec.eviction.schedule",
+                           "spec.router.configMapName"}
 
 
 def test_cel_rules_accept_the_examples():
@@ -153,7 +159,9 @@ def test_cel_rules_accept_the_examples():
         ({"eviction": {"lowWatermark": 90}}, "lowWatermark must be below highWatermark"),
         ({"eviction": {"inodeLowWatermark": 95}}, "inodeLowWatermark must be below"),
         ({"storage": {"existingClaim": "x"}}, "exactly one of pvc"),
-        ({"storage": {"mountPath": "relative"}}, "must be an absolute path"),
+        ({"storage": {"mountPath": "relative"}}, "must be an absolute, normalised path"),
+        ({"storage": {"mountPath": "//etc"}}, "must be an absolute, normalised path"),
+        ({"storage": {"mountPath": "/etc"}}, "would shadow one of the container's system"),
         ({"selector": {"matchLabels": None}}, "must select something"),
         ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
