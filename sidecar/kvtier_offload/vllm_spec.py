@@ -8,19 +8,25 @@ to and from files through staging buffers. Loaded by vLLM from kv-transfer-confi
      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier_offload.vllm_spec", "root_dir": "/mnt/files-storage"}}
 
-vLLM asserts that every worker transfer succeeded, so failures cannot be reported:
-- a store that fails is reported done but never becomes visible (lookups stat the
-  volume and the manager never assumes a store landed), so it is simply a miss later;
-- a load that cannot be verified stops the engine with an error naming the file,
-  rather than copying unverified or stale staging bytes into the KV cache. Lookups
-  refresh the file's access time so the evictor keeps what was just promised.
+Failures never stop the engine and never put unverified bytes into the KV cache:
+- a store that fails, or finds no staging, is reported done but never becomes visible
+  (lookups stat the volume and the manager never assumes a store landed), so it is
+  simply a miss later;
+- a load whose blocks cannot all be verified copies only the verified ones, is reported
+  by get_finished() with success=False, and take_load_errors() names the GPU block ids
+  it did not load; kvtier's own connector turns those into recomputes (vLLM's stock
+  OffloadingConnector asserts success). Lookups refresh the file's access time so the
+  evictor keeps what was just promised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +50,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.store import BlockStore, StoreConfig
 
@@ -58,10 +65,6 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
-
-
-class KvtierLoadError(RuntimeError):
-    """A promised block could not be verified: the engine must stop, not compute on it."""
 
 
 def spec_fingerprint(spec: OffloadingSpec) -> dict[str, Any]:
@@ -131,214 +134,328 @@ class KvtierOffloadingManager(OffloadingManager):
         self.store.close()
 
 
-class StagingPool:
-    """Reusable staging buffers (pinned when the KV lives on a GPU), bounded in bytes:
-    buffers are kept per row count and reused; above the bound, acquire() waits for
-    stores in flight to finish with theirs."""
+@dataclass
+class _Job:
+    """One vLLM transfer job: its pieces in flight, what it lost, when it is done."""
 
-    def __init__(self, row_bytes: int, pinned: bool, max_bytes: int) -> None:
-        self.row_bytes, self.pinned, self.max_bytes = row_bytes, pinned, max_bytes
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._held = 0  # bytes of every buffer allocated (free or in use)
-
-    def acquire(self, rows: int, make_room: Any) -> torch.Tensor:
-        free = self._free.get(rows)
-        if free:
-            return free.pop()
-        need = rows * self.row_bytes
-        while self._held + need > self.max_bytes and self._held > 0:
-            if not self._drop_one_free():
-                make_room()  # collects finished stores, which release their buffers
-                time.sleep(0.001)
-        self._held += need
-        return torch.empty((rows, self.row_bytes), dtype=torch.int8, pin_memory=self.pinned)
-
-    def _drop_one_free(self) -> bool:
-        for rows, buffers in self._free.items():
-            if buffers:
-                buffers.pop()
-                self._held -= rows * self.row_bytes
-                return True
-        return False
-
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault(buffer.shape[0], []).append(buffer)
+    job_id: int
+    kind: str  # "store" or "load"
+    blocks: int
+    started: float = field(default_factory=time.monotonic)
+    in_flight: int = 0  # pieces holding staging (device copy or file I/O)
+    queued: int = 0  # pieces waiting for staging
+    moved: int = 0  # blocks copied all the way
+    failed: list[int] = field(default_factory=list)  # load: GPU block ids not loaded
 
 
 @dataclass
-class _Transfer:
-    """One worker job on its way: store = device copy -> file writes; load = file reads
-    -> device copy. `fence` is the CUDA event of the device copy (None: already done)."""
+class _Piece:
+    """Up to one staging run of a job: `keys[i]` is GPU block `block_ids[i]` and row
+    `run.start + i` of the staging region. `fence` is the CUDA event of its device copy
+    (None: already done, as on CPU)."""
 
-    job_id: int
+    job: _Job
     keys: list[bytes]
     block_ids: np.ndarray
-    staging: torch.Tensor
-    started: float = field(default_factory=time.monotonic)
+    run: Run | None = None
     fence: Any = None
-
-    def items(self) -> list[tuple[bytes, memoryview]]:
-        """(key, staging row) pairs for the block store."""
-        arr = self.staging.numpy().view(np.uint8)
-        return [(k, memoryview(arr[i])) for i, k in enumerate(self.keys)]
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
     """Copies whole KV pages (every canonical tensor's page of a block) to one file.
 
-    Everything is asynchronous: submit_* return at once. A store's pages are gathered on
-    a side stream (after the compute stream's work) into a pinned staging buffer, and
-    its files are written once that copy's event has fired; wait() blocks on the event,
-    so vLLM may reuse the GPU blocks when it returns. A load reads and verifies its files
-    into staging on the I/O threads, then copies to the GPU on a side stream; it is
-    reported finished only when that copy's event has fired. On CPU tensors the copies
-    are synchronous and the same paths run without events."""
+    Nothing on vLLM's thread waits for the GPU or the volume: submit_*, get_finished and
+    wait() on a store only queue work and look at CUDA events (wait() blocks on a store's
+    device copy, which is its contract). All host memory is one staging region of at
+    most max_staging_bytes, allocated here; transfers borrow runs of it piece by piece.
+
+    - Store: each piece's pages are gathered on the store stream (after the compute
+      stream's work) into staging; once its event fires its files are written, then the
+      run is returned. Pieces that find no staging wait for a later poll; wait() drops
+      those (vLLM reuses the blocks next), as does a submit that finds the queue full:
+      a dropped store is reported done and simply never becomes visible.
+    - Load: each piece's files are read and verified into staging on the I/O threads,
+      then copied to the GPU on the load stream, which has priority over stores. A job
+      is reported when every piece's copy has fired; blocks that could not be verified
+      are not copied, the job is reported failed and take_load_errors() names them.
+    On CPU tensors the copies are synchronous and the same paths run without events."""
 
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
                  blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
-                 max_device_temp_bytes: int = 64 << 20) -> None:
+                 max_device_temp_bytes: int = 64 << 20,
+                 shutdown_timeout: float = 10.0) -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
         self.store = store
-        self.tensors = [t.tensor for t in kv_caches.tensors]
+        tensors = [t.tensor for t in kv_caches.tensors]
         self.pages = [t.page_size_bytes for t in kv_caches.tensors]
         self.page_total = sum(self.pages)
-        self.device = self.tensors[0].device
+        self.device = tensors[0].device
         self.cuda = self.device.type == "cuda"
-        self.staging = StagingPool(self.page_total, self.cuda, max_staging_bytes)
-        # Rows gathered on the device per copy: bounds the device scratch memory.
-        self.chunk_rows = max(1, max_device_temp_bytes // self.page_total)
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.shutdown_timeout = shutdown_timeout
+        self.arena = StagingArena(self.page_total, self.cuda, max_staging_bytes)
+        wide, self._views = widest_views(tensors, self.pages, self.page_total)
+        self._staging = self.arena.rows.view(wide)
+        self._widths = [v.shape[1] for v in self._views]
+        # Rows per piece: bounds the device scratch of one copy, and leaves room for a
+        # job's next piece to be copied while this one is written or read.
+        rows = self.arena.num_rows
+        self.piece_rows = max(1, min(max_device_temp_bytes // self.page_total, rows // 4))
+        # Stores may hold all but one piece's worth: a load always finds room soon.
+        self.store_rows_cap = max(1, rows - self.piece_rows)
+        # Store pieces waiting for staging hold no memory, only the GPU blocks vLLM keeps
+        # for them until it calls wait(), which drops them; past this many rows a store
+        # is dropped at once (the volume is not keeping up).
+        self.store_queue_cap = 16 * rows
+        self._store_rows_held = 0
+        self._store_rows_queued = 0
+        if self.cuda:
+            self._store_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device, priority=-1)  # higher
+        else:
+            self._store_stream = self._load_stream = None
+        self._io_ids = itertools.count()
+        self._store_waiting: deque[_Piece] = deque()  # no staging yet
+        self._copying_out: list[_Piece] = []  # store: device -> staging
+        self._io: dict[int, _Piece] = {}  # BlockStore job id -> piece
+        self._load_waiting: deque[_Piece] = deque()  # no staging yet
+        self._copying_in: list[_Piece] = []  # load: staging -> device
+        self._loads: dict[int, _Job] = {}  # unfinished load jobs
         self._done: list[TransferResult] = []
-        self._copying_out: dict[int, _Transfer] = {}  # store: device -> staging
-        self._io: dict[int, _Transfer] = {}  # BlockStore job id -> transfer
-        self._copying_in: dict[int, _Transfer] = {}  # load: staging -> device
+        self._load_errors: dict[int, list[int]] = {}
+        self.stores_dropped = 0  # blocks
+        self._dropped = store.metrics.dropped.labels("staging-full")
 
     # ------------------------------------------------------------ device copies
 
-    def _on_side_stream(self) -> Any:
-        if self._stream is None:
+    def _on(self, stream: Any) -> Any:
+        if stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
-    def _fence(self) -> Any:
-        if self._stream is None:
+    def _fence(self, stream: Any) -> Any:
+        if stream is None:
             return None
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(stream)
         return event
 
-    def _gather(self, block_ids: np.ndarray, staging: torch.Tensor) -> Any:
-        """Queue the copy of the blocks' pages into staging, one contiguous transfer per
-        chunk of rows; returns the fence of the copy."""
-        with self._on_side_stream():
-            index = torch.as_tensor(block_ids.astype(np.int64)).to(self.device)
-            for first in range(0, len(block_ids), self.chunk_rows):
-                rows = index[first:first + self.chunk_rows]
-                parts = [t.index_select(0, rows).reshape(len(rows), -1)[:, :page]
-                         for t, page in zip(self.tensors, self.pages, strict=True)]
-                packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-                staging[first:first + len(rows)].copy_(packed, non_blocking=True)
-            return self._fence()
+    def _index(self, run: Run) -> torch.Tensor:
+        """The run's GPU block ids on the device: an asynchronous copy from the run's
+        pinned index slots, which stay borrowed until the run's fence has fired."""
+        return self.arena.index[run.start:run.stop].to(self.device, non_blocking=True)
 
-    def _scatter(self, block_ids: np.ndarray, staging: torch.Tensor) -> Any:
-        """Queue the copy of staged pages into the blocks; returns the fence."""
-        with self._on_side_stream():
-            index = torch.as_tensor(block_ids.astype(np.int64)).to(self.device)
-            for first in range(0, len(block_ids), self.chunk_rows):
-                rows = index[first:first + self.chunk_rows]
-                packed = staging[first:first + len(rows)].to(self.device, non_blocking=True)
-                offset = 0
-                for tensor, page in zip(self.tensors, self.pages, strict=True):
-                    # Rows may be strided (packed blocks): index the tensor itself.
-                    view = tensor if tensor.dim() == 2 else tensor.flatten(1)
-                    view[rows, :page] = packed[:, offset:offset + page]
-                    offset += page
-            return self._fence()
+    def _gather(self, piece: _Piece) -> Any:
+        """Queue the copy of the piece's pages into its staging run; returns the fence."""
+        run = piece.run
+        assert run is not None
+        self.arena.index_array[run.start:run.stop] = piece.block_ids
+        with self._on(self._store_stream):
+            index = self._index(run)
+            parts = [view.index_select(0, index) for view in self._views]
+            packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            self._staging[run.start:run.stop].copy_(packed, non_blocking=True)
+            return self._fence(self._store_stream)
+
+    def _scatter(self, piece: _Piece, rows: int) -> Any:
+        """Queue the copy of the first `rows` staged rows into their blocks (the index
+        slots hold their ids); returns the fence."""
+        run = piece.run
+        assert run is not None
+        with self._on(self._load_stream):
+            index = self._index(Run(run.start, rows))
+            packed = self._staging[run.start:run.start + rows].to(self.device,
+                                                                   non_blocking=True)
+            offset = 0
+            for view, width in zip(self._views, self._widths, strict=True):
+                view.index_copy_(0, index, packed[:, offset:offset + width])
+                offset += width
+            return self._fence(self._load_stream)
 
     @staticmethod
-    def _fired(transfer: _Transfer, block: bool) -> bool:
-        if transfer.fence is None:
+    def _fired(piece: _Piece, block: bool) -> bool:
+        if piece.fence is None:
             return True
         if block:
-            transfer.fence.synchronize()
+            piece.fence.synchronize()
             return True
-        return bool(transfer.fence.query())
+        return bool(piece.fence.query())
 
     # ------------------------------------------------------------------ jobs
 
-    def _begin(self, job_id: int, files: LoadStoreSpec,
-               blocks: GPULoadStoreSpec) -> _Transfer | None:
-        """A transfer with its staging buffer, or None (reported done) for no files."""
-        assert isinstance(files, KvtierLoadStoreSpec)
-        if not files.keys:
-            self._report(job_id, 0, time.monotonic())
-            return None
-        # The first chunk may be partial: the files match the last block ids.
-        block_ids = np.asarray(blocks.block_ids)[-len(files.keys):]
-        staging = self.staging.acquire(len(files.keys), self._progress)
-        return _Transfer(job_id, files.keys, block_ids, staging)
+    @staticmethod
+    def _pairs(files: LoadStoreSpec, blocks: GPULoadStoreSpec) -> tuple[list[bytes],
+                                                                         np.ndarray]:
+        """The files and their GPU blocks, one block per file (blocks_per_chunk is 1, so
+        vLLM 0.32 never sends a partial first chunk here)."""
+        if not isinstance(files, KvtierLoadStoreSpec):
+            raise TypeError(f"kvtier's worker was given {type(files).__name__}, not "
+                            "KvtierLoadStoreSpec")
+        block_ids = np.asarray(blocks.block_ids, dtype=np.int64)
+        if len(block_ids) != len(files.keys):
+            raise ValueError(f"kvtier got {len(block_ids)} GPU block ids for "
+                             f"{len(files.keys)} files; each file holds exactly one GPU "
+                             "block (is block_size set in kv_connector_extra_config?)")
+        return files.keys, block_ids
+
+    def _pieces(self, job: _Job, keys: list[bytes], block_ids: np.ndarray) -> list[_Piece]:
+        step = self.piece_rows
+        return [_Piece(job, keys[i:i + step], block_ids[i:i + step])
+                for i in range(0, len(keys), step)]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
-        transfer = self._begin(job_id, dst_spec, src_spec)
-        if transfer is not None:
-            transfer.fence = self._gather(transfer.block_ids, transfer.staging)
-            self._copying_out[job_id] = transfer
-            self._progress()
+        keys, block_ids = self._pairs(dst_spec, src_spec)
+        job = _Job(job_id, "store", len(keys))
+        self._progress()  # return what finished first: staging it frees is used now
+        for piece in self._pieces(job, keys, block_ids):
+            if self._store_rows_queued + len(piece.keys) > self.store_queue_cap:
+                self._drop(piece)
+            else:
+                job.queued += 1
+                self._store_rows_queued += len(piece.keys)
+                self._store_waiting.append(piece)
+        self._start_stores()
+        self._maybe_finish(job)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
-        transfer = self._begin(job_id, src_spec, dst_spec)
-        if transfer is not None:
-            load_id = -job_id - 1  # store and load job ids share the store's namespace
-            self._io[load_id] = transfer
-            self.store.load(load_id, transfer.items())
+        keys, block_ids = self._pairs(src_spec, dst_spec)
+        job = _Job(job_id, "load", len(keys))
+        self._loads[job_id] = job
+        for piece in self._pieces(job, keys, block_ids):
+            job.queued += 1
+            self._load_waiting.append(piece)
+        self._progress()
+        self._maybe_finish(job)
         return True
 
-    def _progress(self, block_on: Collection[int] = ()) -> None:
-        """Move every transfer as far as it can go without waiting, except those in
-        block_on, which are waited for: stores until their device copy is done, loads
-        until they are finished."""
-        for job_id, t in list(self._copying_out.items()):
-            if self._fired(t, job_id in block_on):
-                del self._copying_out[job_id]
-                self._io[job_id] = t
-                self.store.store(job_id, t.items())
-        while True:
-            waiting = {-j - 1 for j in block_on} & self._io.keys()
-            if waiting:
-                self.store.drain()
-            for outcome in self.store.finished():
-                t = self._io.pop(outcome.job_id)
-                if outcome.kind == "store":
-                    # Always a success to vLLM: a store that failed never becomes visible.
-                    self.staging.release(t.staging)
-                    self._report(t.job_id, len(t.keys) * self.page_total, t.started)
-                elif not outcome.success:
-                    self.staging.release(t.staging)
-                    bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
-                    raise KvtierLoadError(
-                        f"kvtier could not verify {len(bad)} promised block(s), e.g. "
-                        f"{self.store.layout.path(bad[0])}; stopping instead of computing "
-                        "on unverified KV (was the file deleted or corrupted after the "
-                        "lookup?)")
-                else:
-                    t.fence = self._scatter(t.block_ids, t.staging)
-                    self._copying_in[t.job_id] = t
-            if not waiting:
-                break
-        for job_id, t in list(self._copying_in.items()):
-            if self._fired(t, job_id in block_on):
-                del self._copying_in[job_id]
-                self.staging.release(t.staging)  # the device copy has read it
-                self._report(job_id, len(t.keys) * self.page_total, t.started)
+    def _drop(self, piece: _Piece) -> None:
+        """A store piece that found no staging: it will simply never be visible."""
+        self.stores_dropped += len(piece.keys)
+        self._dropped.inc(len(piece.keys))
 
-    def _report(self, job_id: int, size: int, started: float) -> None:
-        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=size,
+    def _start_stores(self) -> None:
+        while self._store_waiting:
+            piece = self._store_waiting[0]
+            room = min(len(piece.keys), self.store_rows_cap - self._store_rows_held)
+            run = self.arena.take(room)
+            if run is None:
+                return
+            self._store_waiting.popleft()
+            self._store_rows_queued -= len(piece.keys)
+            if run.rows < len(piece.keys):  # the rest waits at the head of the queue
+                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:])
+                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows])
+                piece.job.queued += 1
+                self._store_rows_queued += len(rest.keys)
+                self._store_waiting.appendleft(rest)
+            piece.job.queued -= 1
+            piece.job.in_flight += 1
+            piece.run = run
+            self._store_rows_held += run.rows
+            piece.fence = self._gather(piece)
+            self._copying_out.append(piece)
+
+    def _start_loads(self) -> None:
+        while self._load_waiting:
+            piece = self._load_waiting[0]
+            run = self.arena.take(len(piece.keys))
+            if run is None:
+                return
+            self._load_waiting.popleft()
+            if run.rows < len(piece.keys):
+                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:])
+                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows])
+                piece.job.queued += 1
+                self._load_waiting.appendleft(rest)
+            piece.job.queued -= 1
+            piece.job.in_flight += 1
+            piece.run = run
+            self.arena.index_array[run.start:run.stop] = piece.block_ids
+            io_id = next(self._io_ids)
+            self._io[io_id] = piece
+            self.store.load_rows(io_id, piece.keys, self.arena.row_array,
+                                 self.arena.row_ids(run))
+
+    def _staged(self, piece: _Piece, ok: list[bool]) -> None:
+        """A load piece's files are read: copy the verified blocks to the GPU."""
+        run = piece.run
+        assert run is not None
+        good = np.flatnonzero(np.asarray(ok, dtype=bool))
+        if len(good) < len(ok):
+            piece.job.failed.extend(int(b) for b in np.delete(piece.block_ids, good))
+            # Verified rows to the front of the run (with their ids): one copy for them.
+            self.arena.row_array[run.start:run.start + len(good)] = \
+                self.arena.row_array[run.start + good]
+            self.arena.index_array[run.start:run.start + len(good)] = piece.block_ids[good]
+        piece.job.moved += len(good)
+        if len(good):
+            piece.fence = self._scatter(piece, len(good))
+            self._copying_in.append(piece)
+        else:
+            self._release(piece)
+
+    def _release(self, piece: _Piece) -> None:
+        assert piece.run is not None
+        self.arena.give(piece.run)
+        if piece.job.kind == "store":
+            self._store_rows_held -= piece.run.rows
+        piece.run = None
+        piece.job.in_flight -= 1
+        self._maybe_finish(piece.job)
+
+    def _maybe_finish(self, job: _Job) -> None:
+        if job.in_flight or job.queued:
+            return
+        size = job.moved * self.page_total
+        if job.kind == "store":  # always a success: a store that failed is never visible
+            self._report(job.job_id, True, size, job.started)
+            return
+        if self._loads.pop(job.job_id, None) is None:
+            return  # reported already
+        if job.failed:
+            self._load_errors[job.job_id] = job.failed
+            log.warning("kvtier could not verify %d of %d block(s) of load job %d; vLLM "
+                        "recomputes them", len(job.failed), job.blocks, job.job_id)
+        self._report(job.job_id, not job.failed, size, job.started)
+
+    def _progress(self, block_on: Collection[int] = ()) -> None:
+        """Move every piece as far as it can go without waiting, except the device
+        copies of jobs in block_on, which are waited for."""
+        still = []
+        for piece in self._copying_out:
+            if self._fired(piece, piece.job.job_id in block_on):
+                io_id = next(self._io_ids)
+                self._io[io_id] = piece
+                assert piece.run is not None
+                self.store.store_rows(io_id, piece.keys, self.arena.row_array,
+                                      self.arena.row_ids(piece.run))
+            else:
+                still.append(piece)
+        self._copying_out = still
+        for outcome in self.store.finished():
+            piece = self._io.pop(outcome.job_id)
+            if outcome.kind == "store":
+                piece.job.moved += sum(outcome.ok)
+                self._release(piece)
+            else:
+                self._staged(piece, outcome.ok)
+        still = []
+        for piece in self._copying_in:
+            if self._fired(piece, piece.job.job_id in block_on):
+                self._release(piece)  # the device copy has read the run
+            else:
+                still.append(piece)
+        self._copying_in = still
+        self._start_loads()  # loads first: a cache hit must not wait behind stores
+        self._start_stores()
+
+    def _report(self, job_id: int, success: bool, size: int, started: float) -> None:
+        self._done.append(TransferResult(job_id=job_id, success=success, transfer_size=size,
                                          transfer_time=time.monotonic() - started))
 
     def get_finished(self) -> list[TransferResult]:
@@ -346,13 +463,48 @@ class KvtierOffloadingWorker(OffloadingWorker):
         out, self._done = self._done, []
         return out
 
+    def take_load_errors(self) -> dict[int, list[int]]:
+        """GPU block ids that were not loaded, by load job id, since the last call: only
+        jobs reported failed by get_finished() appear (vLLM recomputes those blocks)."""
+        out, self._load_errors = self._load_errors, {}
+        return out
+
     def wait(self, job_ids: set[int]) -> None:
-        """Stores: until their GPU source pages are copied (vLLM reuses the blocks next).
-        Loads: until their pages are in the KV cache."""
+        """Stores: until their GPU source pages are copied (vLLM reuses the blocks next);
+        their pieces still waiting for staging are dropped. Loads: until their pages are
+        in the KV cache (or reported failed)."""
+        kept: deque[_Piece] = deque()
+        for piece in self._store_waiting:
+            if piece.job.job_id in job_ids:
+                self._drop(piece)
+                self._store_rows_queued -= len(piece.keys)
+                piece.job.queued -= 1
+                self._maybe_finish(piece.job)
+            else:
+                kept.append(piece)
+        self._store_waiting = kept
         self._progress(block_on=job_ids)
+        while job_ids & self._loads.keys():
+            time.sleep(0.001)  # reads in flight (only vLLM's reset_cache waits on loads)
+            self._progress(block_on=job_ids)
 
     def shutdown(self) -> None:
-        self.store.close()
+        """Let the device copies in flight finish, then close the block store, waiting
+        at most shutdown_timeout for its I/O threads."""
+        for stream in {self._store_stream, self._load_stream} - {None}:
+            stream.synchronize()
+
+        def close() -> None:
+            # BlockStore.close() has no timeout of its own: the join below bounds it. The
+            # closure holds self, so the staging the I/O threads may still use stays alive.
+            self.store.close()
+
+        closer = threading.Thread(target=close, name="kvtier-close", daemon=True)
+        closer.start()
+        closer.join(self.shutdown_timeout)
+        if closer.is_alive():
+            log.warning("kvtier: the block store did not close within %.1fs (a hung "
+                        "volume?); leaving its threads behind", self.shutdown_timeout)
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
@@ -373,4 +525,5 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KvtierOffloadingWorker(
             _store(self), kv_caches, self.blocks_per_chunk,
-            max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)))
+            max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
+            shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)))

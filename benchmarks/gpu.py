@@ -1,0 +1,344 @@
+"""kvtier's GPU offload path against the raw DMA it is built on (needs CUDA; without it
+this prints that it skips).
+
+- B0 raw pinned `copy_` device->host, host->device and both at once on two streams,
+  2 MiB to 2 GiB: the anchor every other figure is divided by (same size, same run);
+- B1 vLLM's own block DMA (`vllm._custom_ops.swap_blocks_batch`, one descriptor per
+  (block, layer) page, as its CPU offloading worker does) on the same pages, where the
+  installed vLLM has it;
+- B2 kvtier's device phase alone: the worker's gather/scatter through its staging
+  region, block store idle, timed with CUDA events, contiguous and random block ids;
+  and the wall time of submit_store while the GPU is busy;
+- B3 GPU -> file -> GPU through the real block store on tmpfs (a temp dir on disk
+  where mounting is not permitted), polled as vLLM polls.
+
+Shapes: 32 layers x 64 KiB pages (an 8B model at TP1) and 80 x 8 KiB (70B at TP8).
+Medians of KVTIER_BENCH_GPU_RUNS runs (20) after 5 warm-ups; KVTIER_BENCH_GPU_QUICK=1
+runs a small subset (what the GPU test suite uses to check this file works).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+QUICK = os.environ.get("KVTIER_BENCH_GPU_QUICK") == "1"
+RUNS = 3 if QUICK else int(os.environ.get("KVTIER_BENCH_GPU_RUNS", "20"))
+WARMUP = 1 if QUICK else 5
+RAW_SIZES = (2 * MiB, 64 * MiB) if QUICK else (2 * MiB, 8 * MiB, 64 * MiB, 512 * MiB,
+                                                2048 * MiB)
+SHAPES = {"8B-TP1 32x64KiB": (32, 64 << 10), "70B-TP8 80x8KiB": (80, 8 << 10)}
+JOB_BLOCKS = (1, 16) if QUICK else (1, 16, 256, 1024)
+STAGING = (256 * MiB) if QUICK else (4 << 30)
+
+
+def _skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__})"
+    return None
+
+
+def _median_seconds(fn: Callable[[], None], streams: list[Any]) -> float:
+    """Median GPU time of fn's work on `streams`, between CUDA events."""
+    import torch
+
+    times = []
+    for i in range(WARMUP + RUNS):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for stream in streams:
+            stream.wait_event(start)
+        fn()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        end.record()
+        end.synchronize()
+        if i >= WARMUP:
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _copy(stream: Any, dst: Any, src: Any) -> None:
+    import torch
+
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.1f} GB/s"
+
+
+def raw_dma() -> dict[tuple[str, int], float]:
+    """B0: seconds per copy of each size and direction."""
+    import torch
+
+    out: dict[tuple[str, int], float] = {}
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    print("\n### B0 raw pinned DMA (the anchor)\n")
+    print("| size | D2H | H2D | both at once (each) |")
+    print("|---|---|---|---|")
+    for size in RAW_SIZES:
+        dev = torch.empty(2 * size, dtype=torch.int8, device="cuda")
+        host = torch.empty(2 * size, dtype=torch.int8, pin_memory=True)
+        d_a, d_b, h_a, h_b = dev[:size], dev[size:], host[:size], host[size:]
+
+        d2h = functools.partial(_copy, s1, h_a, d_a)
+        h2d = functools.partial(_copy, s2, d_b, h_b)
+
+        def both(d2h: Callable[[], None] = d2h, h2d: Callable[[], None] = h2d) -> None:
+            d2h()
+            h2d()
+
+        out["d2h", size] = _median_seconds(d2h, [s1])
+        out["h2d", size] = _median_seconds(h2d, [s2])
+        out["both", size] = _median_seconds(both, [s1, s2])
+        print(f"| {size // MiB} MiB | {_gbps(size, out['d2h', size])} | "
+              f"{_gbps(size, out['h2d', size])} | {_gbps(size, out['both', size])} |")
+        del dev, host
+    return out
+
+
+def _anchor(raw: dict[tuple[str, int], float], direction: str, nbytes: int) -> float:
+    """Raw DMA seconds for nbytes: measured at the nearest size, scaled linearly."""
+    size = min(RAW_SIZES, key=lambda s: abs(np.log2(s) - np.log2(max(nbytes, 1))))
+    return raw[direction, size] * nbytes / size
+
+
+def _kv(layers: int, page: int, num_blocks: int) -> Any:
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+    tensors = [CanonicalKVCacheTensor(
+        torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, device="cuda"), page)
+        for _ in range(layers)]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=[[]])
+
+
+def _ids(count: int, num_blocks: int, random: bool) -> np.ndarray:
+    if random:
+        return np.sort(np.random.default_rng(count).permutation(num_blocks)[:count])
+    return np.arange(count, dtype=np.int64)
+
+
+def _swap(swap: Callable[..., None], stream: Any, src: Any, dst: Any, sizes: Any,
+          any_order: bool) -> None:
+    import torch
+
+    with torch.cuda.stream(stream):
+        swap(src, dst, sizes, any_order)
+
+
+def vllm_dma(raw: dict[tuple[str, int], float]) -> None:
+    """B1: vLLM's swap_blocks_batch, one descriptor per (block, layer) page."""
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+
+        swap = ops.swap_blocks_batch
+        torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018 (present in CUDA builds only)
+    except (ImportError, AttributeError, RuntimeError) as err:
+        print(f"\n### B1 vLLM swap_blocks_batch: not callable here ({err})")
+        return
+    print("\n### B1 vLLM swap_blocks_batch on the same pages (ratio to B0)\n")
+    print("| shape | blocks | size | D2H | ratio | H2D | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    stream = torch.cuda.Stream()
+    for name, (layers, page) in SHAPES.items():
+        num_blocks = max(JOB_BLOCKS) + 64
+        caches = _kv(layers, page, num_blocks)
+        row = layers * page
+        host = torch.empty((max(JOB_BLOCKS), row), dtype=torch.int8, pin_memory=True)
+        for blocks in JOB_BLOCKS:
+            ids = _ids(blocks, num_blocks, random=True)
+            gpu = np.array([[t.tensor.data_ptr() + int(b) * t.tensor.stride(0)
+                             for t in caches.tensors] for b in ids], dtype=np.int64).ravel()
+            cpu = (host.data_ptr() + np.arange(blocks)[:, None] * row
+                   + np.arange(layers)[None, :] * page).astype(np.int64).ravel()
+            sizes = torch.full((blocks * layers,), page, dtype=torch.int64).pin_memory()
+            gpu_t = torch.from_numpy(gpu).pin_memory()
+            cpu_t = torch.from_numpy(cpu).pin_memory()
+
+            # stores keep stream order; loads let the DMA read the host out of order,
+            # as vLLM's CPU offloading worker does
+            d2h = functools.partial(_swap, swap, stream, gpu_t, cpu_t, sizes, False)
+            h2d = functools.partial(_swap, swap, stream, cpu_t, gpu_t, sizes, True)
+
+            nbytes = blocks * row
+            t_out, t_in = _median_seconds(d2h, [stream]), _median_seconds(h2d, [stream])
+            print(f"| {name} | {blocks} | {nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
+                  f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
+                  f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
+        del caches, host
+
+
+def _worker(root: str, caches: Any) -> Any:
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
+
+    return KvtierOffloadingWorker(BlockStore(StoreConfig(root=root, fingerprint="0" * 16)),
+                                  caches, blocks_per_chunk=1, max_staging_bytes=STAGING)
+
+
+def _gather_all(worker: Any, pieces: list[Any]) -> None:
+    for piece in pieces:
+        worker._gather(piece)
+
+
+def _scatter_all(worker: Any, pieces: list[Any]) -> None:
+    for piece in pieces:
+        worker._scatter(piece, len(piece.keys))
+
+
+def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
+    """B2: the worker's gather and scatter alone, through its staging region."""
+    from kvtier_offload.vllm_spec import _Job
+
+    print("\n### B2 kvtier device phase alone (block store idle; ratio to B0)\n")
+    print("| shape | blocks | ids | size | gather+D2H | ratio | H2D+scatter | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (layers, page) in SHAPES.items():
+        num_blocks = max(JOB_BLOCKS) + 64
+        caches = _kv(layers, page, num_blocks)
+        worker = _worker(os.path.join(root, "b2"), caches)
+        for blocks in JOB_BLOCKS:
+            if blocks > worker.arena.num_rows:
+                continue
+            for random in (False, True):
+                ids = _ids(blocks, num_blocks, random)
+                job = _Job(0, "bench", blocks)
+                pieces = worker._pieces(job, [b""] * blocks, ids)
+                for piece in pieces:
+                    piece.run = worker.arena.take(len(piece.keys))
+                    assert piece.run is not None and piece.run.rows == len(piece.keys)
+                    worker.arena.index_array[piece.run.start:piece.run.stop] = piece.block_ids
+
+                gather = functools.partial(_gather_all, worker, pieces)
+                scatter = functools.partial(_scatter_all, worker, pieces)
+
+                nbytes = blocks * worker.page_total
+                t_out = _median_seconds(gather, [worker._store_stream])
+                t_in = _median_seconds(scatter, [worker._load_stream])
+                for piece in pieces:
+                    worker.arena.give(piece.run)
+                print(f"| {name} | {blocks} | {'random' if random else 'contiguous'} | "
+                      f"{nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
+                      f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
+                      f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
+        busy_submit(worker, num_blocks)
+        worker.shutdown()
+        del caches, worker
+
+
+def busy_submit(worker: Any, num_blocks: int) -> None:
+    """Wall time of submit_store and get_finished with about 1 s queued on the GPU."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    blocks = min(16, num_blocks)
+    keys = [i.to_bytes(36, "big") for i in range(blocks)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    start = time.perf_counter()
+    worker.submit_store(1 << 40, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
+                        KvtierLoadStoreSpec(keys))
+    submit = time.perf_counter() - start
+    start = time.perf_counter()
+    worker.get_finished()
+    poll = time.perf_counter() - start
+    torch.cuda.synchronize()
+    _finish(worker, {1 << 40})
+    print(f"\nsubmit_store of {blocks} blocks with the GPU busy: {submit * 1e3:.2f} ms; "
+          f"get_finished: {poll * 1e3:.2f} ms (target: under 1 ms)")
+
+
+def _finish(worker: Any, jobs: set[int], timeout: float = 300.0) -> dict[int, bool]:
+    done: dict[int, bool] = {}
+    deadline = time.monotonic() + timeout
+    while not jobs <= done.keys():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"jobs {jobs - done.keys()} never finished")
+        done |= {r.job_id: r.success for r in worker.get_finished()}
+        time.sleep(0.0005)
+    return done
+
+
+def end_to_end(raw: dict[tuple[str, int], float], root: str, where: str) -> None:
+    """B3: GPU -> file -> GPU through the real block store."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    print(f"\n### B3 GPU -> file -> GPU on {where} (ratio to B0)\n")
+    print("| shape | blocks | size | store | ratio | load | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    job = 0
+    for name, (layers, page) in SHAPES.items():
+        num_blocks = 2 * max(JOB_BLOCKS) + 64
+        caches = _kv(layers, page, num_blocks)
+        worker = _worker(os.path.join(root, "b3"), caches)
+        for blocks in JOB_BLOCKS:
+            stores, loads = [], []
+            # the same files each run (overwritten): tmpfs holds one set per job size
+            keys = [(blocks << 32 | i).to_bytes(36, "big") for i in range(blocks)]
+            for run in range(max(1, RUNS // 4)):
+                job += 2
+                start = time.perf_counter()
+                worker.submit_store(job, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
+                                    KvtierLoadStoreSpec(keys))
+                stored = _finish(worker, {job})
+                stores.append(time.perf_counter() - start)
+                dst = list(range(max(JOB_BLOCKS), max(JOB_BLOCKS) + blocks))
+                start = time.perf_counter()
+                worker.submit_load(job + 1, KvtierLoadStoreSpec(keys),
+                                   GPULoadStoreSpec(dst, [blocks], [0]))
+                loaded = _finish(worker, {job + 1})
+                loads.append(time.perf_counter() - start)
+                if not (stored[job] and loaded[job + 1]) or worker.stores_dropped:
+                    raise RuntimeError(f"run {run}: a job failed or a store was dropped")
+            nbytes = blocks * worker.page_total
+            t_out, t_in = statistics.median(stores), statistics.median(loads)
+            print(f"| {name} | {blocks} | {nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
+                  f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
+                  f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
+        worker.shutdown()
+        del caches, worker
+
+
+def main() -> None:
+    reason = _skip_reason()
+    if reason:
+        print(f"gpu: skipped, {reason}")
+        return
+    import torch
+
+    from benchmarks.common import scratch_dir
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
+          f"{torch.version.cuda}; {RUNS} runs after {WARMUP} warm-ups; staging "
+          f"{STAGING // MiB} MiB")
+    raw = raw_dma()
+    vllm_dma(raw)
+    with tempfile.TemporaryDirectory(prefix="kvtier-gpu-b2-") as root:
+        device_phase(raw, root)
+    with scratch_dir("8G" if not QUICK else "1G", "kvtier-gpu-b3-") as (root, where):
+        end_to_end(raw, root, where)
+    host = torch.cuda.host_memory_stats()
+    print(f"\npinned host memory: {host.get('allocated_bytes.peak', 0) / MiB:.0f} MiB at "
+          f"peak (kvtier's staging: {STAGING // MiB} MiB per worker, the rest is B0/B1)")
