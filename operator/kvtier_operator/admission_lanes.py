@@ -27,6 +27,7 @@ import asyncio
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -37,6 +38,7 @@ from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.render.context import RenderContext
 
 log = logging.getLogger("kvtier_operator.webhook")
+BUSY_LOG_INTERVAL = 60.0  # seconds between "busy" warnings (each counts the 503s since)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class _Lane:
         self._executor: Executor | None = None
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.busy_answers = 0  # 503s since the last "busy" warning (rate-limited)
+        self.busy_logged: float | None = None
 
     def executor(self) -> Executor:
         if self._executor is None:
@@ -125,8 +129,13 @@ class AdmissionLanes:
         else:
             lane, future = self.quick, self.quick.try_submit(admit, path, body, caches, ctx)
         if future is None:
-            log.warning("admission webhook busy: %d %s admissions in progress; answered 503",
-                        lane.in_flight, lane.name)
+            lane.busy_answers += 1
+            now = time.monotonic()
+            if lane.busy_logged is None or now - lane.busy_logged >= BUSY_LOG_INTERVAL:
+                log.warning("admission webhook busy: %d request(s) answered 503 since the last "
+                            "such warning (%s lane full: %d admissions in progress)",
+                            lane.busy_answers, lane.name, lane.in_flight)
+                lane.busy_logged, lane.busy_answers = now, 0
             return Outcome.error(503, f"the kvtier webhook is busy ({lane.name} lane full); "
                                       "retry later")
         try:
