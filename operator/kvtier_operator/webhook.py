@@ -1,253 +1,56 @@
-"""Admission webhooks: inject selected model-server pods, validate TieredPrefixCaches.
+"""Admission webhooks over HTTPS: inject selected model-server pods, validate
+TieredPrefixCaches.
 
-Thin on purpose: parse the AdmissionReview, call the pure renderer (`inject`) or the
-models, answer. The pod webhook runs with failurePolicy Ignore, so it must never fail a
-pod it cannot understand: anything unexpected is answered "allowed, unchanged" and
-reported. Malformed reviews get a 400, oversized ones a 413, never a crash.
+Thin on purpose: read the request, hand its body to an admission lane (admission_lanes:
+never on the event loop, bounded per lane and per request), answer. The review logic is in
+admission, the caches it reads in cache_registry, the conflicts it records in conflict_log.
+
+Every answer is JSON. Malformed reviews get a 400, oversized ones a 413, a full lane or an
+admission past its deadline a 503, and anything unforeseen a 500 whose body says to look in
+the operator log; never a traceback. The pod webhook runs with failurePolicy Ignore, so a
+pod it cannot understand is answered "allowed, unchanged" and reported.
+
+Slow clients are bounded too: a request (headers and body) must arrive within
+REQUEST_READ_TIMEOUT of its first byte, a connection with no request in progress is closed
+after IDLE_TIMEOUT, and a TLS handshake must finish within TLS_HANDSHAKE_TIMEOUT. A client
+that goes away, or is closed for being slow, is logged once, at INFO, without a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
 import os
 import ssl
-import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from kvtier_operator import KIND
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import LabelSelector, TieredPrefixCache
-from kvtier_operator.render import names
+from kvtier_operator.admission import (
+    MUTATE_PATH,
+    VALIDATE_PATH,
+    BadReview,
+    diff_patch,
+    mutate_pod,
+    selectors_may_overlap,
+    validate_tpc,
+)
+from kvtier_operator.admission_lanes import AdmissionLanes
+from kvtier_operator.cache_registry import CacheRegistry
+from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.render.pod import inject
+
+__all__ = ["MUTATE_PATH", "VALIDATE_PATH", "BadReview", "CacheRegistry", "ConflictLog",
+           "diff_patch", "make_app", "mutate_pod", "register_server", "selectors_may_overlap",
+           "serve", "tls_context", "validate_tpc", "watch_certificates"]
 
 log = logging.getLogger("kvtier_operator.webhook")
 MAX_BODY = 3 * 1024 * 1024  # the API server's own request limit for admission objects
-MUTATE_PATH = "/mutate-pods"
-VALIDATE_PATH = "/validate-tieredprefixcaches"
-
-
-class CacheRegistry:
-    """The TieredPrefixCaches the operator watches, by namespace (fed by watch events),
-    parsed once per event rather than once per admission request."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._caches: dict[str, dict[str, TieredPrefixCache]] = {}
-
-    def observe(self, event_type: str, body: dict[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        ns, name = meta.get("namespace", ""), meta.get("name", "")
-        parsed = None
-        if event_type != "DELETED" and not meta.get("deletionTimestamp"):
-            try:
-                parsed = parse_tpc(body)
-            except InvalidResource:
-                pass  # an invalid resource injects nothing; its status says why
-        with self._lock:
-            if parsed is None:
-                self._caches.get(ns, {}).pop(name, None)
-            else:
-                self._caches.setdefault(ns, {})[name] = parsed
-
-    def names(self) -> list[tuple[str, str]]:
-        """(namespace, name) of every valid resource watched."""
-        with self._lock:
-            return sorted((ns, name) for ns, caches in self._caches.items() for name in caches)
-
-    def in_namespace(self, namespace: str) -> list[TieredPrefixCache]:
-        with self._lock:
-            found = list(self._caches.get(namespace, {}).values())
-        return sorted(found, key=lambda t: t.name)
-
-
-@dataclass
-class ConflictLog:
-    """Pods the webhook left alone, by cache, for the reconciler's Injected condition."""
-
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _by_cache: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
-
-    def record(self, namespace: str, cache: str, pod: str, reason: str) -> None:
-        with self._lock:
-            self._by_cache.setdefault((namespace, cache), {})[pod] = reason
-
-    def for_cache(self, namespace: str, cache: str, live_pods: Iterable[str]) -> dict[str, str]:
-        """Conflicts (pod: reason) of pods that still exist (forgetting the rest)."""
-        live = set(live_pods)
-        with self._lock:
-            entries = self._by_cache.get((namespace, cache), {})
-            for gone in [p for p in entries if p not in live]:
-                del entries[gone]
-            return dict(sorted(entries.items()))
-
-
-def _pointer(parts: list[str]) -> str:
-    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
-
-
-def diff_patch(src: Any, dst: Any, path: list[str] | None = None) -> list[dict[str, Any]]:
-    """An RFC 6902 patch turning src into dst: keys added, removed or replaced, lists
-    replaced whole. jsonpatch.make_patch gives the same result but diffs lists item by
-    item, which took 80% of an admission; the patch applies to exactly the object the
-    API server sent, so replacing a whole list loses nothing."""
-    path = path or []
-    if isinstance(src, dict) and isinstance(dst, dict):
-        ops: list[dict[str, Any]] = []
-        for key in src:
-            if key not in dst:
-                ops.append({"op": "remove", "path": _pointer([*path, key])})
-        for key, value in dst.items():
-            if key not in src:
-                ops.append({"op": "add", "path": _pointer([*path, key]), "value": value})
-            elif src[key] != value:
-                ops += diff_patch(src[key], value, [*path, key])
-        return ops
-    if src == dst:
-        return []
-    return [{"op": "replace", "path": _pointer(path), "value": dst}]
-
-
-def _response(uid: str, allowed: bool = True, patch: list[dict[str, Any]] | None = None,
-              message: str | None = None, code: int = 200,
-              warnings: list[str] | None = None) -> dict[str, Any]:
-    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
-    if patch:
-        response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-    if message is not None:
-        response["status"] = {"code": code, "message": message}
-    if warnings:
-        response["warnings"] = [w[:512] for w in warnings[:10]]
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "response": response}
-
-
-class BadReview(ValueError):
-    pass
-
-
-def _request(review: Any) -> dict[str, Any]:
-    if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
-        raise BadReview("not an AdmissionReview")
-    request = review.get("request")
-    if not isinstance(request, dict) or not request.get("uid"):
-        raise BadReview("AdmissionReview without request.uid")
-    return request
-
-
-def mutate_pod(review: Any, caches: CacheRegistry, conflicts: ConflictLog,
-               ctx: RenderContext) -> dict[str, Any]:
-    request = _request(review)
-    uid = request["uid"]
-    pod = request.get("object")
-    if request.get("operation") != "CREATE" or not isinstance(pod, dict):
-        return _response(uid)
-    meta = pod.get("metadata") or {}
-    namespace = request.get("namespace") or meta.get("namespace") or ""
-    name = meta.get("name") or meta.get("generateName", "") + "<generated>"
-    labels = meta.get("labels") or {}
-    if labels.get(names.LABEL_OPT_OUT) == "false":
-        return _response(uid)
-    selecting = [t for t in caches.in_namespace(namespace) if t.spec.selector.matches(labels)]
-    if not selecting:
-        return _response(uid)
-    if len(selecting) > 1:
-        listed = ", ".join(t.name for t in selecting)
-        reason = (f"selected by several TieredPrefixCaches ({listed}); only one may inject a "
-                  "pod: narrow their selectors")
-        for tpc in selecting:
-            conflicts.record(namespace, tpc.name, name, reason)
-        return _response(uid, warnings=[f"kvtier: pod {name} {reason}"])
-    tpc = selecting[0]
-    result = inject(tpc, pod, ctx)
-    if result.conflicts:
-        for reason in result.conflicts:
-            conflicts.record(namespace, tpc.name, name, reason)
-        return _response(uid, warnings=[f"kvtier: not injected: {c}" for c in result.conflicts])
-    if not result.changed:
-        return _response(uid)
-    return _response(uid, patch=diff_patch(pod, result.pod))
-
-
-@dataclass
-class _KeyRule:
-    """What a selector demands of one label key."""
-
-    present: bool = False  # must exist
-    absent: bool = False  # must not exist
-    allowed: set[str] | None = None  # one of these values (None: any value)
-    forbidden: set[str] = field(default_factory=set)  # none of these values
-
-    def both(self, other: _KeyRule) -> _KeyRule:
-        allowed = (other.allowed if self.allowed is None else self.allowed
-                   if other.allowed is None else self.allowed & other.allowed)
-        return _KeyRule(self.present or other.present, self.absent or other.absent, allowed,
-                        self.forbidden | other.forbidden)
-
-    def satisfiable(self) -> bool:
-        if self.present and self.absent:
-            return False
-        if not self.present:
-            return True  # leaving the label off satisfies everything else
-        return self.allowed is None or bool(self.allowed - self.forbidden)
-
-
-def _rules(sel: LabelSelector) -> dict[str, _KeyRule]:
-    rules: dict[str, _KeyRule] = {}
-    for key, value in (sel.match_labels or {}).items():
-        rules[key] = rules.get(key, _KeyRule()).both(_KeyRule(present=True, allowed={value}))
-    for req in sel.match_expressions or []:
-        values = set(req.values or [])
-        rule = {"In": _KeyRule(present=True, allowed=values),
-                "NotIn": _KeyRule(forbidden=values),
-                "Exists": _KeyRule(present=True),
-                "DoesNotExist": _KeyRule(absent=True)}[req.operator]
-        rules[req.key] = rules.get(req.key, _KeyRule()).both(rule)
-    return rules
-
-
-def selectors_may_overlap(a: LabelSelector, b: LabelSelector) -> bool:
-    """Whether some set of pod labels satisfies both selectors."""
-    ra, rb = _rules(a), _rules(b)
-    for key in set(ra) | set(rb):
-        if not ra.get(key, _KeyRule()).both(rb.get(key, _KeyRule())).satisfiable():
-            return False
-    return True
-
-
-def validate_tpc(review: Any, caches: CacheRegistry) -> dict[str, Any]:
-    request = _request(review)
-    uid = request["uid"]
-    if request.get("operation") not in ("CREATE", "UPDATE"):
-        return _response(uid)
-    body = request.get("object")
-    if not isinstance(body, dict) or body.get("kind") != KIND:
-        return _response(uid, allowed=False, code=400,
-                         message=f"expected a {KIND} in request.object")
-    try:
-        tpc = parse_tpc(body)
-    except InvalidResource as err:
-        return _response(uid, allowed=False, code=422,
-                         message=f"{KIND} {err.name} is invalid: " + "; ".join(err.messages))
-    others = [t for t in caches.in_namespace(tpc.namespace) if t.name != tpc.name]
-    overlapping = [t.name for t in others
-                   if selectors_may_overlap(tpc.spec.selector, t.spec.selector)]
-    if overlapping:
-        return _response(uid, allowed=False, code=422, message=(
-            f"spec.selector may select the same pods as {', '.join(overlapping)} in namespace "
-            f"{tpc.namespace}; a pod can belong to one TieredPrefixCache only: add a label "
-            "that tells them apart (e.g. llm-d.ai/role) to both selectors"))
-    return _response(uid)
-
+REQUEST_READ_TIMEOUT = 10.0  # seconds from a request's first byte to its last
+IDLE_TIMEOUT = 60.0  # seconds a connection may wait, with no request in progress
+TLS_HANDSHAKE_TIMEOUT = 10.0
 
 # ------------------------------------------------------------------ server
 
@@ -279,51 +82,194 @@ async def watch_certificates(ctx: ssl.SSLContext, certfile: str, keyfile: str,
             log.warning("cannot reload the webhook certificate yet: %s", err)
 
 
-def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext) -> web.Application:
-    async def review(request: web.Request, handler: Any) -> web.Response:
+class _Deadlines(asyncio.Protocol):
+    """aiohttp's protocol for one connection, wrapped to enforce the read deadlines.
+
+    idle (waiting for a request) --first byte--> reading (REQUEST_READ_TIMEOUT from that
+    byte) --request_read()--> busy (no deadline: the admission lane bounds it)
+    --request_done()--> idle (IDLE_TIMEOUT)."""
+
+    def __init__(self, inner: asyncio.Protocol, watched: dict[Any, _Deadlines],
+                 read_timeout: float, idle_timeout: float) -> None:
+        self._inner, self._watched = inner, watched
+        self._read_timeout, self._idle_timeout = read_timeout, idle_timeout
+        self._transport: asyncio.BaseTransport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.state = "idle"
+        self.expired = False
+
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._transport is None or self._transport.is_closing():
+            return
+        self.expired = True
+        peer = self._transport.get_extra_info("peername")
+        if self.state == "reading":
+            log.info("closed the connection from %s: no complete request within %g s",
+                     peer, self._read_timeout)
+            self._transport.abort()
+        else:
+            log.debug("closed the connection from %s: idle for %g s", peer, self._idle_timeout)
+            self._transport.close()
+
+    def request_read(self) -> None:
+        self.state = "busy"
+        self._disarm()
+
+    def request_done(self) -> None:
+        self.state = "idle"
+        self._arm(self._idle_timeout)
+
+    # asyncio.Protocol, forwarded to aiohttp's
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._watched[transport] = self
+        self._arm(self._idle_timeout)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == "idle":
+            self.state = "reading"
+            self._arm(self._read_timeout)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._watched.pop(self._transport, None)
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+_WATCHED = web.AppKey("kvtier_deadlines", dict)
+
+
+def _deadlines(request: web.Request) -> _Deadlines | None:
+    return request.app[_WATCHED].get(request.transport)
+
+
+@web.middleware
+async def _every_answer_is_json(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                                ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response({"error": exc.reason}, status=exc.status, headers=headers)
+    except Exception:  # a bug of ours: its traceback goes to the log, not to the client
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return web.json_response({"error": "internal error; see the kvtier operator log"},
+                                 status=500)
+    finally:
+        deadlines = _deadlines(request)
+        if deadlines is not None:
+            deadlines.request_done()
+
+
+def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
+             lanes: AdmissionLanes | None = None) -> web.Application:
+    lanes = lanes or AdmissionLanes()
+
+    async def review(request: web.Request, path: str) -> web.Response:
         started = time.perf_counter()
         try:
-            payload = await request.json(loads=json.loads)
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except (ValueError, UnicodeDecodeError) as err:
-            return web.json_response({"error": f"body is not JSON: {err}"}, status=400)
-        try:
-            answer = handler(payload)
-        except BadReview as err:
-            return web.json_response({"error": str(err)}, status=400)
-        log.debug("%s answered in %.1f ms", request.path, (time.perf_counter() - started) * 1e3)
-        return web.json_response(answer)
+            body = await request.read()
+        except ConnectionError:
+            deadlines = _deadlines(request)
+            if deadlines is None or not deadlines.expired:
+                log.info("client %s went away before sending its whole request to %s",
+                         request.remote, path)
+            return web.json_response({"error": "incomplete request"}, status=400)
+        deadlines = _deadlines(request)
+        if deadlines is not None:
+            deadlines.request_read()
+        outcome = await lanes.admit(path, body, caches, ctx)
+        for c in outcome.conflicts:
+            conflicts.record(c.namespace, c.cache, c.pod, c.reason)
+        if outcome.problem:
+            log.error("admission to %s failed (answered without a change or denied):\n%s",
+                      path, outcome.problem)
+        log.debug("%s answered %d in %.1f ms", path, outcome.status,
+                  (time.perf_counter() - started) * 1e3)
+        return web.Response(body=outcome.body, status=outcome.status,
+                            content_type="application/json")
 
     async def mutate(request: web.Request) -> web.Response:
-        def handler(payload: Any) -> dict[str, Any]:
-            try:
-                return mutate_pod(payload, caches, conflicts, ctx)
-            except BadReview:
-                raise
-            except Exception:  # failurePolicy Ignore: never block a pod on our bug
-                log.exception("pod mutation failed; admitting the pod unchanged")
-                return _response(_request(payload)["uid"])
-        return await review(request, handler)
+        return await review(request, MUTATE_PATH)
 
     async def validate(request: web.Request) -> web.Response:
-        return await review(request, lambda payload: validate_tpc(payload, caches))
+        return await review(request, VALIDATE_PATH)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app = web.Application(client_max_size=MAX_BODY)
+    async def close_lanes(_: web.Application) -> None:
+        lanes.close()
+
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[_every_answer_is_json])
+    app[_WATCHED] = {}
+    app.on_cleanup.append(close_lanes)
     app.router.add_post(MUTATE_PATH, mutate)
     app.router.add_post(VALIDATE_PATH, validate)
     app.router.add_get("/healthz", healthz)
     return app
 
 
+class _Site(web.BaseSite):
+    """A TCP site like aiohttp's TCPSite, serving each connection through _Deadlines and
+    bounding the TLS handshake."""
+
+    __slots__ = ("_host", "_port", "_protocol")
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int,
+                 tls: ssl.SSLContext | None, protocol: Callable[[], asyncio.Protocol]) -> None:
+        super().__init__(runner, ssl_context=tls)
+        self._host, self._port, self._protocol = host, port, protocol
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        self._server = await asyncio.get_running_loop().create_server(
+            self._protocol, self._host, self._port, ssl=self._ssl_context,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if self._ssl_context else None,
+            backlog=self._backlog, reuse_address=True)
+
+
 async def serve(app: web.Application, host: str, port: int,
                 tls: ssl.SSLContext | None) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, ssl_context=tls).start()
+    server = runner.server
+    assert server is not None
+    watched = app.get(_WATCHED)
+    if watched is None:  # an app not made by make_app: deadlines, but no one to tell them
+        watched = {}
+    read_timeout, idle_timeout = REQUEST_READ_TIMEOUT, IDLE_TIMEOUT
+    await _Site(runner, host, port, tls,
+                lambda: _Deadlines(server(), watched, read_timeout, idle_timeout)).start()
     return runner
 
 
@@ -337,13 +283,16 @@ def register_server(registry: Any, caches: CacheRegistry, conflicts: ConflictLog
     @kopf.on.startup(registry=registry)
     async def start_webhook(memo: Any, **_: Any) -> None:
         tls = tls_context(certfile, keyfile)
-        memo.webhook = await serve(make_app(caches, conflicts, ctx), host, port, tls)
+        lanes = AdmissionLanes()
+        memo.webhook = await serve(make_app(caches, conflicts, ctx, lanes), host, port, tls)
+        memo.webhook_warm = asyncio.create_task(lanes.warm())
         memo.webhook_certs = asyncio.create_task(watch_certificates(tls, certfile, keyfile))
         log.info("admission webhooks listening on https://%s:%d", host, port)
 
     @kopf.on.cleanup(registry=registry)
     async def stop_webhook(memo: Any, **_: Any) -> None:
-        if memo.get("webhook_certs") is not None:
-            memo.webhook_certs.cancel()
+        for task in ("webhook_certs", "webhook_warm"):
+            if memo.get(task) is not None:
+                memo[task].cancel()
         if memo.get("webhook") is not None:
             await memo.webhook.cleanup()
