@@ -72,14 +72,41 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+# Deeper than any pod or TieredPrefixCache (managedFields included) ever nests. Checked
+# explicitly: the parser's own limit is the interpreter's recursion limit, which other
+# libraries in the process raise (cel-python sets 2500).
+MAX_DEPTH = 100
+
+
+def _deeper_than(doc: Any, limit: int) -> bool:
+    """Whether any value in `doc` sits more than `limit` arrays/objects deep (iterative)."""
+    level: list[Any] = [doc]
+    for _ in range(limit + 1):
+        nested = []
+        for value in level:
+            if isinstance(value, dict):
+                nested.extend(v for v in value.values() if isinstance(v, dict | list))
+            elif isinstance(value, list):
+                nested.extend(v for v in value if isinstance(v, dict | list))
+        if not nested:
+            return False
+        level = nested
+    return True
+
+
 def parse_review(body: bytes) -> Any:
-    """The JSON document in `body` (UTF-8, finite numbers only), or BadReview."""
+    """The JSON document in `body` (UTF-8, finite numbers only, at most MAX_DEPTH arrays
+    and objects deep), or BadReview."""
     try:
-        return json.loads(body.decode("utf-8"), parse_float=_finite, parse_constant=_not_json)
+        doc = json.loads(body.decode("utf-8"), parse_float=_finite, parse_constant=_not_json)
     except RecursionError:
         raise BadReview("body is not acceptable JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise BadReview(f"body is not acceptable JSON: {str(err)[:200]}") from None
+    # Only a body with that many brackets can be that deep: most skip the walk.
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _deeper_than(doc, MAX_DEPTH):
+        raise BadReview(f"body is not acceptable JSON: nested more than {MAX_DEPTH} deep")
+    return doc
 
 
 def _request(review: Any) -> dict[str, Any]:

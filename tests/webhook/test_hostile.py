@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing
 import ssl
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -69,14 +70,29 @@ REVIEW_HEAD = '{"kind":"AdmissionReview","request":{"uid":"u","operation":"CREAT
     '{"kind":"AdmissionReview","request":{"uid":Infinity,"operation":"DELETE"}}',
     REVIEW_HEAD + '"object":{"spec":{"priority":1e400}}}}',
     '{"kind":"AdmissionReview","request":{"uid":["u"],"operation":"DELETE"}}',
+    REVIEW_HEAD + '"object":{"metadata":{"labels":' + '{"a":' * 150 + "1" + "}" * 150 + "}}}}",
 ], ids=["deep-array", "deep-object", "deep-annotation", "nan-uid", "infinity-uid",
-        "infinite-number", "list-uid"])
+        "infinite-number", "list-uid", "deep-150"])
 async def test_malformed_json_gets_a_clean_400(hook, body):
     for path in (MUTATE_PATH, VALIDATE_PATH):
         status, text = await hook.post(path, data=body.encode())
         answer = strict_json(text) if isinstance(text, str) else text
         assert status == 400, (path, status, text)
         assert "error" in answer and "Traceback" not in json.dumps(answer)
+
+
+async def test_nesting_bound_holds_when_the_recursion_limit_is_raised(hook):
+    # cel-python raises the interpreter's recursion limit to 2500 on import: the bound on
+    # nesting must not depend on it.
+    body = REVIEW_HEAD + '"object":{"metadata":{"annotations":' + "[" * 990 + "]" * 990
+    body += "}}}}"
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        status, _ = await hook.post(MUTATE_PATH, data=body.encode())
+    finally:
+        sys.setrecursionlimit(old)
+    assert status == 400
 
 
 @pytest.mark.parametrize("metadata", ["x", [1], 3])
