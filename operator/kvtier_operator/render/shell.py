@@ -1,0 +1,360 @@
+"""Read a `sh -c` command line with certainty, or say why not.
+
+kvtier edits a shell script in one place only: right after the one entry point that
+starts vLLM, where it adds constant text (never a value from a CR). This module finds
+that place, and refuses, with the reason, whenever it cannot be certain how the shell
+will read the script up to there: a script it cannot fully parse (heredocs, backticks,
+subshells, `case`, arithmetic, an unterminated quote), no entry point at the start of a
+command, several entry points, or a mention of one it cannot vouch for (in quotes, a
+nested `sh -c`, a command substitution). Comments are understood and ignored.
+
+The scanner is one pass over the script, linear in its length (runs of ordinary
+characters are skipped by simple character-class regexes, which cannot backtrack), and
+it reads at most MAX_SCRIPT_CHARS.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier_operator.render.vllm_entry import (
+    CLI_MODULE,
+    SERVER_MODULE,
+    entry_point_end,
+    mention_offsets,
+    program,
+)
+
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
+# Longer scripts are not read at all (a conflict): real launch scripts are far shorter,
+# and the scan runs inside the admission webhook.
+MAX_SCRIPT_CHARS = 64 * 1024
+
+# Shell options before the script: these take the next word as their argument...
+_OPTIONS_WITH_ARGUMENT = frozenset({"-o", "+o", "-O", "+O"})
+# ...these take none (bash's long options that change nothing kvtier relies on).
+_LONG_OPTIONS = frozenset({"--login", "--noprofile", "--norc", "--posix", "--noediting",
+                           "--restricted", "--verbose"})
+_OPTION_CLUSTER = re.compile(r"[-+][A-Za-z]+")
+
+# Ordinary word characters in command text, blanks, and text inside double quotes.
+_WORD_RUN = re.compile(r"[^ \t\n'\"\\$`#();&|<>]+")
+_BLANKS = re.compile(r"[ \t]+")
+_DOUBLE_QUOTED_RUN = re.compile(r"[^\"\\$`]+")
+# `${...}` read only when simple: no quotes, expansions, braces or newlines inside.
+_SIMPLE_BRACED = re.compile(r"\$\{[^'\"`$\\{}()\n]*\}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SPECIAL_PARAMETER = frozenset("0123456789@*#?$!-")
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_NOT_A_WORD = "\0"  # stands for a word with quotes or expansions (a shell word has no NUL)
+_REFUSED_COMMANDS = {
+    "function": "a function definition",
+    "case": "a case statement",
+    "alias": "an alias",
+}
+
+
+def script_index(words: Sequence[str], at: int) -> int | str | None:
+    """Where the script is in a `<shell> [options] -c SCRIPT [name [args...]]` command
+    line that starts at words[at]: its index; None when words[at] is not a shell or the
+    shell runs no `-c` script; a problem (str) when it is a shell kvtier cannot read."""
+    if at >= len(words) or program(words[at]) not in SHELLS:
+        return None
+    shell = words[at]
+    takes_script = False
+    i = at + 1
+    while i < len(words):
+        word = words[i]
+        if word in ("--", "-"):
+            i += 1
+            break
+        if word in _OPTIONS_WITH_ARGUMENT:
+            if i + 1 >= len(words):
+                return f"{shell} option {word} has no argument"
+            i += 2
+            continue
+        if word in _LONG_OPTIONS:
+            i += 1
+            continue
+        if _OPTION_CLUSTER.fullmatch(word):
+            letters = word[1:]
+            with_argument = letters.count("o") + letters.count("O")
+            if with_argument > 1 or (with_argument == 1 and letters[-1] not in "oO"):
+                return f"cannot tell which word {shell} option cluster {word} takes"
+            if "c" in letters:
+                if word[0] == "+":
+                    return f"{shell} option {word} is not -c"
+                takes_script = True
+            i += 2 if with_argument else 1
+            continue
+        if word[:1] in ("-", "+"):
+            return f"{shell} option {word} is not one kvtier knows"
+        break
+    if not takes_script:
+        return None
+    if i >= len(words):
+        return f"{shell} -c has no script"
+    return i
+
+
+@dataclass(frozen=True)
+class EntryPointSearch:
+    """Where options for vLLM go in a script (insert_at), or why kvtier will not say."""
+    insert_at: int | None
+    problem: str = ""
+
+
+class _Refused(Exception):
+    pass
+
+
+@dataclass
+class _Word:
+    start: int
+    plain: bool = True  # no quotes, escapes or expansions: the shell reads it as written
+    end: int = -1
+
+
+def _line(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+class _Scanner:
+    """One pass over a script: words of each top-level command, comments, candidates."""
+
+    def __init__(self, script: str) -> None:
+        self.s = script
+        self.word: _Word | None = None
+        self.words: list[_Word] = []
+        self.redirect_target = False
+        self.comments: list[tuple[int, int]] = []
+        # (offset of the "vllm" the mention finder sees, offset just after the last word)
+        self.candidates: list[tuple[int, int]] = []
+
+    def refuse(self, what: str, at: int) -> _Refused:
+        return _Refused(f"the script has {what} (line {_line(self.s, at)}), which kvtier "
+                        "does not parse")
+
+    # ------------------------------------------------------------- words
+    def touch_word(self, at: int, plain: bool) -> None:
+        if self.word is None:
+            self.word = _Word(start=at)
+        if not plain:
+            self.word.plain = False
+
+    def close_word(self, at: int) -> None:
+        word = self.word
+        if word is None:
+            return
+        self.word = None
+        word.end = at
+        if self.redirect_target:
+            self.redirect_target = False
+        else:
+            self.words.append(word)
+
+    def text(self, word: _Word) -> str:
+        return self.s[word.start:word.end] if word.plain else _NOT_A_WORD
+
+    def end_command(self, at: int) -> None:
+        if self.redirect_target:
+            raise self.refuse("a redirection without a target", at)
+        words, self.words = self.words, []
+        k = 0
+        while k < len(words) and _ASSIGNMENT.match(self.s, words[k].start, words[k].end):
+            k += 1
+        if k < len(words) and self.text(words[k]) == "exec":
+            k += 1
+        texts = [self.text(w) for w in words]
+        if k < len(texts) and texts[k] in _REFUSED_COMMANDS:
+            raise self.refuse(_REFUSED_COMMANDS[texts[k]], words[k].start)
+        end = entry_point_end(texts, k)
+        if end is None:
+            return
+        module = next((w for w in words[k:end + 1]
+                       if self.text(w) in (SERVER_MODULE, CLI_MODULE)), None)
+        mention = module.start if module is not None else words[k].end - len("vllm")
+        self.candidates.append((mention, words[end].end))
+
+    # ------------------------------------------------------------- the pass
+    def scan(self) -> None:
+        s = self.s
+        n = len(s)
+        i = 0
+        stack = ["command"]  # "command" (top level or inside $(...)) or "double-quoted"
+        while i < n:
+            if stack[-1] == "double-quoted":
+                run = _DOUBLE_QUOTED_RUN.match(s, i)
+                if run:
+                    i = run.end()
+                    continue
+                c = s[i]
+                if c == '"':
+                    stack.pop()
+                    i += 1
+                elif c == "\\":
+                    i += 2
+                elif c == "`":
+                    raise self.refuse("a backtick command substitution", i)
+                else:
+                    i = self.dollar(i, stack)
+                continue
+            top = len(stack) == 1
+            run = _WORD_RUN.match(s, i)
+            if run:
+                if top:
+                    self.touch_word(i, plain=True)
+                i = run.end()
+                continue
+            c = s[i]
+            if c in " \t":
+                if top:
+                    self.close_word(i)
+                i = _BLANKS.match(s, i).end()  # type: ignore[union-attr]
+            elif c == "\n":
+                if top:
+                    self.close_word(i)
+                    self.end_command(i)
+                i += 1
+            elif c == "#":
+                if top and self.word is not None:
+                    i += 1  # inside a word: an ordinary character
+                elif not top:
+                    raise self.refuse("a '#' inside $(...)", i)
+                else:
+                    end = s.find("\n", i)
+                    end = n if end < 0 else end
+                    self.comments.append((i, end))
+                    i = end
+            elif c == "'":
+                if top:
+                    self.touch_word(i, plain=False)
+                end = s.find("'", i + 1)
+                if end < 0:
+                    raise self.refuse("an unterminated single quote", i)
+                i = end + 1
+            elif c == '"':
+                if top:
+                    self.touch_word(i, plain=False)
+                stack.append("double-quoted")
+                i += 1
+            elif c == "\\":
+                if top:
+                    if s.startswith("\n", i + 1):
+                        if self.word is not None:  # the continuation joins this word on
+                            self.word.plain = False
+                    else:
+                        self.touch_word(i, plain=False)
+                i += 2
+            elif c == "`":
+                raise self.refuse("a backtick command substitution", i)
+            elif c == "$":
+                if top:
+                    self.touch_word(i, plain=False)
+                i = self.dollar(i, stack)
+            elif c == "(":
+                raise self.refuse("a '(' (subshell, function or pattern)", i)
+            elif c == ")":
+                if top:
+                    raise self.refuse("an unmatched ')'", i)
+                stack.pop()
+                i += 1
+            elif c in ";&|":
+                two = s[i:i + 2]
+                if two in (";;", ";&"):
+                    raise self.refuse("a case statement", i)
+                if top:
+                    self.close_word(i)
+                    self.end_command(i)
+                i += 2 if two in ("&&", "||", "|&") else 1
+            else:  # < or >
+                if s.startswith("<<", i):
+                    raise self.refuse("a here-document or here-string", i)
+                if top:
+                    word = self.word
+                    if word is not None and word.plain and s[word.start:i].isdigit():
+                        self.word = None  # an io number (2>&1): not an argument
+                    self.close_word(i)
+                    if self.redirect_target:
+                        raise self.refuse("a redirection without a target", i)
+                    self.redirect_target = True
+                two = s[i:i + 2]
+                i += 2 if two in (">>", ">&", "<&", "<>", ">|") else 1
+        if len(stack) > 1:
+            what = ("an unterminated double quote" if stack[-1] == "double-quoted"
+                    else "an unterminated $(")
+            raise self.refuse(what, n)
+        self.close_word(n)
+        self.end_command(n)
+
+    def dollar(self, i: int, stack: list[str]) -> int:
+        """Read the expansion at s[i] == '$'; return where reading goes on."""
+        s = self.s
+        nxt = s[i + 1:i + 2]
+        if nxt == "(":
+            if s.startswith("((", i + 1):
+                raise self.refuse("an arithmetic expansion $((...))", i)
+            stack.append("command")
+            return i + 2
+        if nxt == "{":
+            braced = _SIMPLE_BRACED.match(s, i)
+            if braced is None:
+                raise self.refuse("a ${...} expansion with quotes or expansions inside", i)
+            return braced.end()
+        if nxt in ("'", '"') and stack[-1] == "command":
+            raise self.refuse(f"a ${nxt}...{nxt} string", i)
+        name = _NAME.match(s, i + 1)
+        if name:
+            return name.end()
+        if nxt and nxt in _SPECIAL_PARAMETER:
+            return i + 2
+        return i + 1  # a lone '$' is an ordinary character
+
+
+def find_entry_point(script: str) -> EntryPointSearch:
+    """Where options for vLLM may be added to script: right after the one entry point at
+    the start of a top-level command, when the whole script is understood and mentions no
+    other entry point outside comments."""
+    if len(script) > MAX_SCRIPT_CHARS:
+        return EntryPointSearch(None, f"the script is {len(script)} characters, more than "
+                                      f"the {MAX_SCRIPT_CHARS} kvtier reads")
+    scanner = _Scanner(script)
+    try:
+        scanner.scan()
+    except _Refused as refused:
+        return EntryPointSearch(None, str(refused))
+    mentions = _outside(mention_offsets(script), scanner.comments)
+    candidates = scanner.candidates
+    if len(candidates) > 1:
+        lines = ", ".join(str(_line(script, m)) for m, _ in candidates)
+        return EntryPointSearch(None, f"the script starts vLLM in {len(candidates)} places "
+                                      f"(lines {lines}); kvtier cannot tell which one runs")
+    others = [m for m in mentions if not candidates or m != candidates[0][0]]
+    if others:
+        where = _line(script, others[0])
+        if candidates:
+            return EntryPointSearch(None, (
+                f"the script also mentions vLLM's entry point on line {where}, inside quotes, "
+                "a command substitution or after a keyword, where kvtier cannot tell whether "
+                "it runs"))
+        return EntryPointSearch(None, (
+            f"the script names vLLM's entry point only where kvtier cannot edit it with "
+            f"certainty (line {where}: inside quotes, a command substitution, after a "
+            "keyword, or split by quotes)"))
+    if not candidates:
+        return EntryPointSearch(None, "the script does not start vLLM itself")
+    return EntryPointSearch(candidates[0][1])
+
+
+def _outside(offsets: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """The offsets (ascending) that no span (ascending, disjoint) contains."""
+    kept: list[int] = []
+    k = 0
+    for offset in offsets:
+        while k < len(spans) and spans[k][1] <= offset:
+            k += 1
+        if not (k < len(spans) and spans[k][0] <= offset < spans[k][1]):
+            kept.append(offset)
+    return kept
