@@ -30,7 +30,10 @@ from kvtier_operator.render.vllm_entry import (
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 # Longer scripts are not read at all (a conflict): real launch scripts are far shorter,
 # and the scan runs inside the admission webhook.
-MAX_SCRIPT_CHARS = 64 * 1024
+MAX_SCRIPT_CHARS = 16 * 1024
+# A script kvtier edits names its entry point once (comments aside); more mentions than
+# this are refused before the scan.
+MAX_MENTIONS = 16
 
 # Shell options before the script: these take the next word as their argument...
 _OPTIONS_WITH_ARGUMENT = frozenset({"-o", "+o", "-O", "+O"})
@@ -40,6 +43,7 @@ _LONG_OPTIONS = frozenset({"--login", "--noprofile", "--norc", "--posix", "--noe
 _OPTION_CLUSTER = re.compile(r"[-+][A-Za-z]+")
 
 # Ordinary word characters in command text, blanks, and text inside double quotes.
+_SPECIAL = frozenset(" \t\n'\"\\$`#();&|<>")
 _WORD_RUN = re.compile(r"[^ \t\n'\"\\$`#();&|<>]+")
 _BLANKS = re.compile(r"[ \t]+")
 _DOUBLE_QUOTED_RUN = re.compile(r"[^\"\\$`]+")
@@ -110,25 +114,24 @@ class _Refused(Exception):
     pass
 
 
-@dataclass
-class _Word:
-    start: int
-    plain: bool = True  # no quotes, escapes or expansions: the shell reads it as written
-    end: int = -1
-
-
 def _line(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
 
+# A word of a top-level command: (start, end, plain); plain words have no quotes, escapes
+# or expansions, so the shell reads them as written.
+_Word = tuple[int, int, bool]
+
+
 class _Scanner:
-    """One pass over a script: words of each top-level command, comments, candidates."""
+    """One pass over a script: words of each top-level command, comments, candidates.
+
+    Written for speed (it runs in the admission webhook): plain locals in the loop,
+    tuples for words, and a command is looked at closely only if it contains "vllm".
+    """
 
     def __init__(self, script: str) -> None:
         self.s = script
-        self.word: _Word | None = None
-        self.words: list[_Word] = []
-        self.redirect_target = False
         self.comments: list[tuple[int, int]] = []
         # (offset of the "vllm" the mention finder sees, offset just after the last word)
         self.candidates: list[tuple[int, int]] = []
@@ -137,56 +140,45 @@ class _Scanner:
         return _Refused(f"the script has {what} (line {_line(self.s, at)}), which kvtier "
                         "does not parse")
 
-    # ------------------------------------------------------------- words
-    def touch_word(self, at: int, plain: bool) -> None:
-        if self.word is None:
-            self.word = _Word(start=at)
-        if not plain:
-            self.word.plain = False
-
-    def close_word(self, at: int) -> None:
-        word = self.word
-        if word is None:
-            return
-        self.word = None
-        word.end = at
-        if self.redirect_target:
-            self.redirect_target = False
-        else:
-            self.words.append(word)
-
     def text(self, word: _Word) -> str:
-        return self.s[word.start:word.end] if word.plain else _NOT_A_WORD
+        return self.s[word[0]:word[1]] if word[2] else _NOT_A_WORD
 
-    def end_command(self, at: int) -> None:
-        if self.redirect_target:
-            raise self.refuse("a redirection without a target", at)
-        words, self.words = self.words, []
+    def command(self, words: list[_Word]) -> None:
+        """Look at one top-level simple command: is it an entry point kvtier can edit?"""
+        s = self.s
+        if not words or s.find("vllm", words[0][0], words[-1][1]) < 0:
+            return
         k = 0
-        while k < len(words) and _ASSIGNMENT.match(self.s, words[k].start, words[k].end):
+        while k < len(words) and _ASSIGNMENT.match(s, words[k][0], words[k][1]):
             k += 1
         if k < len(words) and self.text(words[k]) == "exec":
             k += 1
-        texts = [self.text(w) for w in words]
-        if k < len(texts) and texts[k] in _REFUSED_COMMANDS:
-            raise self.refuse(_REFUSED_COMMANDS[texts[k]], words[k].start)
-        end = entry_point_end(texts, k)
+        texts = [self.text(w) for w in words[k:k + 12]]  # an entry point is a few words
+        if texts and texts[0] in _REFUSED_COMMANDS:
+            raise self.refuse(_REFUSED_COMMANDS[texts[0]], words[k][0])
+        end = entry_point_end(texts, 0)
         if end is None:
             return
-        module = next((w for w in words[k:end + 1]
-                       if self.text(w) in (SERVER_MODULE, CLI_MODULE)), None)
-        mention = module.start if module is not None else words[k].end - len("vllm")
-        self.candidates.append((mention, words[end].end))
+        module = next((words[k + j] for j in range(end + 1)
+                       if texts[j] in (SERVER_MODULE, CLI_MODULE)), None)
+        mention = module[0] if module is not None else words[k][1] - len("vllm")
+        self.candidates.append((mention, words[k + end][1]))
 
-    # ------------------------------------------------------------- the pass
     def scan(self) -> None:
         s = self.s
         n = len(s)
-        i = 0
+        word_run, blanks, quoted_run = _WORD_RUN.match, _BLANKS.match, _DOUBLE_QUOTED_RUN.match
+        words: list[_Word] = []  # the top-level command being read
+        start = -1  # where the open top-level word starts; -1: none open
+        plain = True
+        redirect = False  # the next top-level word is a redirection's target
         stack = ["command"]  # "command" (top level or inside $(...)) or "double-quoted"
+        next_vllm = s.find("vllm")
+        next_vllm = n if next_vllm < 0 else next_vllm
+        i = 0
         while i < n:
             if stack[-1] == "double-quoted":
-                run = _DOUBLE_QUOTED_RUN.match(s, i)
+                run = quoted_run(s, i)
                 if run:
                     i = run.end()
                     continue
@@ -202,24 +194,50 @@ class _Scanner:
                     i = self.dollar(i, stack)
                 continue
             top = len(stack) == 1
-            run = _WORD_RUN.match(s, i)
-            if run:
-                if top:
-                    self.touch_word(i, plain=True)
-                i = run.end()
-                continue
             c = s[i]
-            if c in " \t":
+            if c not in _SPECIAL:
+                if top and start < 0:
+                    start, plain = i, True
+                i = word_run(s, i).end()  # type: ignore[union-attr]
+                continue
+            if c in " \t\n;&|<>":
+                # Characters that end a word (and maybe a command) at the top level.
                 if top:
-                    self.close_word(i)
-                i = _BLANKS.match(s, i).end()  # type: ignore[union-attr]
-            elif c == "\n":
+                    if c in "<>" and start >= 0 and plain and s[start:i].isdigit():
+                        start = -1  # an io number (2>&1): not an argument
+                    if start >= 0:
+                        if redirect:
+                            redirect = False
+                        else:
+                            words.append((start, i, plain))
+                        start = -1
+                if c in " \t":
+                    i = blanks(s, i).end()  # type: ignore[union-attr]
+                    continue
+                if c in "<>":
+                    if s.startswith("<<", i):
+                        raise self.refuse("a here-document or here-string", i)
+                    if top:
+                        if redirect:
+                            raise self.refuse("a redirection without a target", i)
+                        redirect = True
+                    i += 2 if s[i:i + 2] in (">>", ">&", "<&", "<>", ">|") else 1
+                    continue
+                two = s[i:i + 2]
+                if two in (";;", ";&"):
+                    raise self.refuse("a case statement", i)
                 if top:
-                    self.close_word(i)
-                    self.end_command(i)
-                i += 1
+                    if redirect:
+                        raise self.refuse("a redirection without a target", i)
+                    if words:
+                        if words[-1][1] > next_vllm:  # else it cannot be an entry point
+                            self.command(words)
+                            next_vllm = s.find("vllm", i)
+                            next_vllm = n if next_vllm < 0 else next_vllm
+                        words = []
+                i += 2 if two in ("&&", "||", "|&") else 1
             elif c == "#":
-                if top and self.word is not None:
+                if top and start >= 0:
                     i += 1  # inside a word: an ordinary character
                 elif not top:
                     raise self.refuse("a '#' inside $(...)", i)
@@ -230,64 +248,45 @@ class _Scanner:
                     i = end
             elif c == "'":
                 if top:
-                    self.touch_word(i, plain=False)
+                    start, plain = (i if start < 0 else start), False
                 end = s.find("'", i + 1)
                 if end < 0:
                     raise self.refuse("an unterminated single quote", i)
                 i = end + 1
             elif c == '"':
                 if top:
-                    self.touch_word(i, plain=False)
+                    start, plain = (i if start < 0 else start), False
                 stack.append("double-quoted")
                 i += 1
             elif c == "\\":
-                if top:
-                    if s.startswith("\n", i + 1):
-                        if self.word is not None:  # the continuation joins this word on
-                            self.word.plain = False
-                    else:
-                        self.touch_word(i, plain=False)
+                # An escaped character, or a continuation that joins the open word on.
+                if top and (start >= 0 or not s.startswith("\n", i + 1)):
+                    start, plain = (i if start < 0 else start), False
                 i += 2
-            elif c == "`":
-                raise self.refuse("a backtick command substitution", i)
             elif c == "$":
                 if top:
-                    self.touch_word(i, plain=False)
+                    start, plain = (i if start < 0 else start), False
                 i = self.dollar(i, stack)
+            elif c == "`":
+                raise self.refuse("a backtick command substitution", i)
             elif c == "(":
                 raise self.refuse("a '(' (subshell, function or pattern)", i)
-            elif c == ")":
+            else:  # ")"
                 if top:
                     raise self.refuse("an unmatched ')'", i)
                 stack.pop()
                 i += 1
-            elif c in ";&|":
-                two = s[i:i + 2]
-                if two in (";;", ";&"):
-                    raise self.refuse("a case statement", i)
-                if top:
-                    self.close_word(i)
-                    self.end_command(i)
-                i += 2 if two in ("&&", "||", "|&") else 1
-            else:  # < or >
-                if s.startswith("<<", i):
-                    raise self.refuse("a here-document or here-string", i)
-                if top:
-                    word = self.word
-                    if word is not None and word.plain and s[word.start:i].isdigit():
-                        self.word = None  # an io number (2>&1): not an argument
-                    self.close_word(i)
-                    if self.redirect_target:
-                        raise self.refuse("a redirection without a target", i)
-                    self.redirect_target = True
-                two = s[i:i + 2]
-                i += 2 if two in (">>", ">&", "<&", "<>", ">|") else 1
         if len(stack) > 1:
             what = ("an unterminated double quote" if stack[-1] == "double-quoted"
                     else "an unterminated $(")
             raise self.refuse(what, n)
-        self.close_word(n)
-        self.end_command(n)
+        if start >= 0:
+            if not redirect:
+                words.append((start, n, plain))
+            redirect = False
+        if redirect:
+            raise self.refuse("a redirection without a target", n)
+        self.command(words)
 
     def dollar(self, i: int, stack: list[str]) -> int:
         """Read the expansion at s[i] == '$'; return where reading goes on."""
@@ -320,17 +319,25 @@ def find_entry_point(script: str) -> EntryPointSearch:
     if len(script) > MAX_SCRIPT_CHARS:
         return EntryPointSearch(None, f"the script is {len(script)} characters, more than "
                                       f"the {MAX_SCRIPT_CHARS} kvtier reads")
+    mentions = mention_offsets(script)
+    if not mentions:
+        return EntryPointSearch(None, "the script does not start vLLM itself")
+    if len(mentions) > MAX_MENTIONS:
+        return EntryPointSearch(None, f"the script mentions vLLM's entry point {len(mentions)} "
+                                      "times; kvtier cannot tell which one runs")
     scanner = _Scanner(script)
     try:
         scanner.scan()
     except _Refused as refused:
         return EntryPointSearch(None, str(refused))
-    mentions = _outside(mention_offsets(script), scanner.comments)
+    mentions = _outside(mentions, scanner.comments)
     candidates = scanner.candidates
     if len(candidates) > 1:
-        lines = ", ".join(str(_line(script, m)) for m, _ in candidates)
+        lines = ", ".join(str(_line(script, m)) for m, _ in candidates[:3])
+        more = ", ..." if len(candidates) > 3 else ""
         return EntryPointSearch(None, f"the script starts vLLM in {len(candidates)} places "
-                                      f"(lines {lines}); kvtier cannot tell which one runs")
+                                      f"(lines {lines}{more}); kvtier cannot tell which one "
+                                      "runs")
     others = [m for m in mentions if not candidates or m != candidates[0][0]]
     if others:
         where = _line(script, others[0])
