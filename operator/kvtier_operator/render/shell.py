@@ -345,7 +345,7 @@ def find_entry_point(script: str) -> EntryPointSearch:
             return EntryPointSearch(None, (
                 f"the script also mentions vLLM's entry point on line {where}, inside quotes, "
                 "a command substitution or after a keyword, where kvtier cannot tell whether "
-                "it runs"))
+                "it runs: reword or remove that mention"))
         return EntryPointSearch(None, (
             f"the script names vLLM's entry point only where kvtier cannot edit it with "
             f"certainty (line {where}: inside quotes, a command substitution, after a "
