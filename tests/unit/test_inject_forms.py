@@ -121,7 +121,7 @@ def test_a_user_set_config_env_var_is_a_conflict_unless_it_matches():
 def test_overlong_command_lines_are_not_read():
     long_arg = "x" * MAX_COMMAND_CHARS
     pod = vllm_pod(args=["m", long_arg])
-    assert "longer than the 1048576 characters kvtier reads" in conflicts(pod)
+    assert f"longer than the {MAX_COMMAND_CHARS} characters kvtier reads" in conflicts(pod)
     named = copy.deepcopy(pod)
     assert "shorten it" in conflicts(named, {"containerName": "vllm"})
 
