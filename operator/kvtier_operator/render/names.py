@@ -19,6 +19,9 @@ VOLUME_SITE = "kvtier-site"
 INIT_CONTAINER = "kvtier-offload-install"
 SITE_MOUNT = "/opt/kvtier/site"
 SHM_MOUNT = "/dev/shm"
+# The model-server env var holding the --kv-transfer-config JSON (a shell script passes
+# it on as "$KVTIER_KV_TRANSFER_CONFIG", so the JSON never becomes shell text).
+ENV_KV_TRANSFER_CONFIG = "KVTIER_KV_TRANSFER_CONFIG"
 
 
 def claim_name(tpc: TieredPrefixCache) -> str | None:

@@ -11,21 +11,15 @@ import copy
 import hashlib
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_operator.models import StorageBackend, TieredPrefixCache
 from kvtier_operator.quantity import format_bytes, quantity_bytes
-from kvtier_operator.render import names, sizing
+from kvtier_operator.render import kube_expansion, names, shell, sizing, vllm_entry
 from kvtier_operator.render.connector import connector_env, kv_transfer_config, kv_transfer_json
 from kvtier_operator.render.context import RenderContext
 
-# How a container starts vLLM's OpenAI server, in any of its spellings.
-_VLLM_ENTRY = re.compile(
-    r"(?:^|[\s;&|/])(vllm\s+serve\b|-m\s+vllm\.entrypoints\.openai\.api_server\b"
-    r"|-m\s+vllm\.entrypoints\.cli\.main\s+serve\b)"
-)
 # Flags that mean the user already configured KV offloading by hand.
 OWN_OFFLOAD_FLAGS = (
     "--kv-transfer-config",
@@ -35,8 +29,20 @@ OWN_OFFLOAD_FLAGS = (
     "--kv-offloading-size",
     "--kv_offloading_size",
 )
-_SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
-FORMAT_VERSION = "1"  # bump when injection changes for an unchanged spec
+# Any of them, however quoted (a literal head: Python's search skips to "--kv" in C).
+_OWN_FLAG = re.compile("(?:" + "|".join(re.escape(f) for f in OWN_OFFLOAD_FLAGS) + ")"
+                       r"(?![A-Za-z0-9_\-])")
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+# What a `sh -c` script gets right after vLLM's entry point: constant text. The JSON stays
+# in the env var, which the shell expands inside double quotes as one word and never
+# reads as shell text, whatever the CR says.
+SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
+# Container command lines longer than this are not read (this runs in the webhook; the
+# mention search takes up to ~25 ms per MiB; a `sh -c` script is capped lower still).
+MAX_COMMAND_CHARS = 256 * 1024
+FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
+_FIX = ("run vLLM in exec form (command: [vllm, serve, ...]), or start a line of the "
+        "script with `exec vllm serve`")
 
 
 @dataclass
@@ -55,7 +61,8 @@ def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
     doc = {
         "format": FORMAT_VERSION,
         "kvTransferConfig": kv_transfer_config(tpc),
-        "env": connector_env(tpc),
+        "env": injected_env(tpc),
+        "scriptOption": SCRIPT_OPTION,
         "cpu": spec.cpu_bytes,
         "claim": names.claim_name(tpc),
         "mountPath": spec.storage.mount_path if spec.storage else None,
@@ -66,18 +73,26 @@ def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def injected_env(tpc: TieredPrefixCache) -> dict[str, str]:
+    """The env vars injection sets, by name, as the process sees them (unescaped)."""
+    return connector_env(tpc) | {names.ENV_KV_TRANSFER_CONFIG: kv_transfer_json(tpc)}
+
+
 def command_line(container: dict[str, Any]) -> str:
-    words = (container.get("command") or []) + (container.get("args") or [])
-    return " ".join(str(p) for p in words)
+    return " ".join(_words(container))
+
+
+def _words(container: dict[str, Any]) -> list[str]:
+    return [str(p) for p in (container.get("command") or []) + (container.get("args") or [])]
 
 
 def runs_vllm(container: dict[str, Any]) -> bool:
-    command = [str(p) for p in container.get("command") or []]
-    args = [str(p) for p in container.get("args") or []]
-    words = command + args
-    if words and words[0].rsplit("/", 1)[-1] == "vllm" and len(words) > 1 and words[1] == "serve":
+    """Whether the container's command line starts vLLM's server or mentions its entry
+    point anywhere (injection then decides whether it can edit it with certainty)."""
+    words = _words(container)
+    if vllm_entry.entry_point_end(words, vllm_entry.program_start(words)) is not None:
         return True
-    return bool(_VLLM_ENTRY.search(command_line(container)))
+    return vllm_entry.mentions_entry_point(command_line(container))
 
 
 def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[dict | None, str]:
@@ -91,6 +106,13 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[di
         return None, (
             f"no container named {wanted!r} (containers: {have}); fix spec.containerName"
         )
+    too_long = [c.get("name", "?") for c in containers
+                if len(command_line(c)) > MAX_COMMAND_CHARS]
+    if too_long:
+        return None, (
+            f"the command line of container {too_long[0]!r} is longer than the "
+            f"{MAX_COMMAND_CHARS} characters kvtier reads; set spec.containerName"
+        )
     found = [c for c in containers if runs_vllm(c)]
     if len(found) == 1:
         return found[0], ""
@@ -103,35 +125,50 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[di
     return None, f"several containers run vLLM ({listed}); set spec.containerName"
 
 
-def _shell_script_index(words: list[str]) -> int | None:
-    """Index of the script in a `sh -c SCRIPT` command line, else None."""
-    for i, word in enumerate(words[:-1]):
-        if word == "-c" and i >= 1 and words[i - 1].rsplit("/", 1)[-1] in _SHELLS:
-            return i + 1
-    return None
-
-
-def _add_args(container: dict[str, Any], extra: list[str]) -> None:
-    command = list(container.get("command") or [])
-    args = list(container.get("args") or [])
+def _add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
+    """Pass the config to vLLM: the JSON (with every `$` doubled for the kubelet) as two
+    more argv words in exec form, or SCRIPT_OPTION after the entry point of a `sh -c`
+    script. Returns why not (and changes nothing) when kvtier cannot be certain where."""
+    name = container.get("name")
+    command = [str(p) for p in container.get("command") or []]
+    args = [str(p) for p in container.get("args") or []]
     words = command + args
-    script_at = _shell_script_index(words)
+    if len(command_line(container)) > MAX_COMMAND_CHARS:
+        return (f"the command line of container {name!r} is longer than the "
+                f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
+    start = vllm_entry.program_start(words)
+    script_at = shell.script_index(words, start)
+    if isinstance(script_at, str):
+        return f"container {name!r}: {script_at}; {_FIX}"
     if script_at is not None:
         script = words[script_at]
-        match = _VLLM_ENTRY.search(script)
-        if match is not None:
-            # Options go right after the entry point: argparse takes them before the
-            # positional model name, and a multi-line script keeps its continuations.
-            insert = " " + " ".join(shlex.quote(a) for a in extra)
-            script = script[: match.end(1)] + insert + script[match.end(1):]
-            if script_at < len(command):
-                command[script_at] = script
-                container["command"] = command
-            else:
-                args[script_at - len(command)] = script
-                container["args"] = args
-            return
-    container["args"] = args + extra
+        found = shell.find_entry_point(script)
+        if found.insert_at is None:
+            return (f"container {name!r} runs a shell script kvtier will not edit: "
+                    f"{found.problem}; {_FIX}")
+        defined = {e.get("name") for e in container.get("env") or []}
+        rewritten = kube_expansion.first_rewrite(script, defined, found.insert_at)
+        if rewritten is not None:
+            return (f"container {name!r}'s script has {rewritten} before vLLM's entry point, "
+                    "which Kubernetes rewrites before the shell runs; write $NAME for an env "
+                    f"var instead, or {_FIX}")
+        script = script[:found.insert_at] + SCRIPT_OPTION + script[found.insert_at:]
+        if script_at < len(command):
+            command[script_at] = script
+            container["command"] = command
+        else:
+            args[script_at - len(command)] = script
+            container["args"] = args
+        return ""
+    end = vllm_entry.entry_point_end(words, start)
+    if end is None:
+        return (f"cannot tell how container {name!r} starts vLLM (its command line is neither "
+                f"an entry point kvtier knows nor a `sh -c` script); {_FIX}")
+    if "--" in words[end + 1:]:
+        return (f"container {name!r} passes '--' to vLLM, after which kvtier's options "
+                "would be read as arguments: remove it")
+    container["args"] = [*args, KV_TRANSFER_FLAG, kube_expansion.escape(config_json)]
+    return ""
 
 
 def _memory(resources: dict[str, Any], increase: int) -> None:
@@ -154,14 +191,17 @@ def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: lis
     by_name = {e.get("name"): e for e in env}
     for name, value in wanted.items():
         have = by_name.get(name)
+        written = kube_expansion.escape(value)
         if have is None:
-            env.append({"name": name, "value": value})
-        elif have.get("value") != value:
+            env.append({"name": name, "value": written})
+        elif have.get("value") != written:
             shown = have.get("value", "<from valueFrom>")
+            needed = ("the --kv-transfer-config JSON" if name == names.ENV_KV_TRANSFER_CONFIG
+                      else value)
             hint = " or set spec.hashSeed to it" if name == "PYTHONHASHSEED" else ""
             conflicts.append(
                 f"container {container.get('name')!r} sets {name}={shown}; kvtier needs "
-                f"{value}: remove it from the pod{hint}"
+                f"{needed}: remove it from the pod{hint}"
             )
 
 
@@ -270,16 +310,19 @@ def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> I
         return Injection(pod=pod, changed=False, container=None, config_hash=digest,
                          conflicts=[why])
     conflicts: list[str] = []
-    line = command_line(container)
-    own = [f for f in OWN_OFFLOAD_FLAGS if re.search(rf"(^|\s){re.escape(f)}(=|\s|$)", line)]
+    seen = {m.group(0) for m in _OWN_FLAG.finditer(command_line(container))}
+    own = [f for f in OWN_OFFLOAD_FLAGS if f in seen]
     if own:
         conflicts.append(
             f"container {container.get('name')!r} already passes {', '.join(own)}; kvtier "
             "will not override hand-made offloading: remove those flags"
         )
     spec = tpc.spec
-    _add_args(container, ["--kv-transfer-config", kv_transfer_json(tpc)])
-    _merge_env(container, connector_env(tpc), conflicts)
+    if not own:
+        problem = _add_kv_transfer_config(container, kv_transfer_json(tpc))
+        if problem:
+            conflicts.append(problem)
+    _merge_env(container, injected_env(tpc), conflicts)
     pod_sizing = _shm(pod_spec, container, tpc, conflicts)
     _memory(container.setdefault("resources", {}), pod_sizing.memory_increase_bytes)
     claim = names.claim_name(tpc)
