@@ -2,18 +2,24 @@
 
 For deployments without a CPU tier. The manager runs in the scheduler and answers
 lookups from the shared volume; the worker runs beside the model and copies KV pages
-to and from files through staging buffers. Loaded by vLLM from kv-transfer-config:
+to and from files through staging buffers. Loaded by vLLM from kv-transfer-config with
+kvtier's connector (kvtier_offload/vllm_connector.py), which can report a failed load:
 
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    {"kv_connector": "KvtierOffloadingConnector",
+     "kv_connector_module_path": "kvtier_offload.vllm_connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier_offload.vllm_spec", "root_dir": "/mnt/files-storage"}}
 
-vLLM asserts that every worker transfer succeeded, so failures cannot be reported:
+Failures cost a recompute, never an engine stop nor unverified bytes:
 - a store that fails is reported done but never becomes visible (lookups stat the
   volume and the manager never assumes a store landed), so it is simply a miss later;
-- a load that cannot be verified stops the engine with an error naming the file,
-  rather than copying unverified or stale staging bytes into the KV cache. Lookups
-  refresh the file's access time so the evictor keeps what was just promised.
+- a load that cannot be verified (corrupt, short, missing, unreadable) is reported
+  failed, with the GPU blocks it did not fill (take_load_errors); kvtier's connector
+  hands them to vLLM, which recomputes them. The bad file is removed by the store.
+Every tensor/pipeline-parallel rank writes its own files (the fingerprint names the
+rank); a lookup is a hit only where every rank's file is there, and refreshes them all
+so the evictor's LRU keeps every rank's copy of what was just promised.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,24 +66,36 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
 
 
-class KvtierLoadError(RuntimeError):
-    """A promised block could not be verified: the engine must stop, not compute on it."""
+def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
+    """What makes the files of one worker rank incompatible: the shared fields, the
+    worker's page size and the rank (each rank writes its own pages). Computable for every
+    rank from any rank's config, the scheduler's included (where the rank is 0): with
+    tensor parallelism every rank holds the same layers at the same page size; with
+    pipeline parallelism each stage holds other layers, which the scheduler does not
+    know, so there the rank (with tp, pp and the model) names the stage, and each block
+    file's header still checks the payload length."""
+    fields = {**vllm_fields(config), "mode": "worker",
+              "page_bytes": config.worker_kv_bytes_per_block, "rank": rank}
+    if config.parallel.pp_size > 1:
+        fields["groups"] = [{"tokens_per_block": g["tokens_per_block"]}
+                            for g in fields["groups"]]
+        fields["page_bytes"] = None
+    return fields
 
 
 def spec_fingerprint(spec: OffloadingSpec) -> dict[str, Any]:
-    """What makes this spec's files incompatible: the shared fields plus the worker's page
-    size and rank (each rank writes its own pages)."""
-    config = spec.config
-    return {**vllm_fields(config), "mode": "worker",
-            "page_bytes": config.worker_kv_bytes_per_block, "rank": config.parallel.rank}
+    """The fingerprint fields of this process's own files."""
+    return rank_fingerprint(spec.config, spec.config.parallel.rank)
 
 
-def _store(spec: KvtierOffloadingSpec) -> BlockStore:
+def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
+           lookups_only: bool = False) -> BlockStore:
     extra = spec.extra_config
     return BlockStore(StoreConfig(
-        root=str(extra["root_dir"]), fingerprint=fingerprint(spec_fingerprint(spec)),
-        read_threads=int(extra.get("n_read_threads", 8)),
-        write_threads=int(extra.get("n_write_threads", 8)),
+        root=str(extra["root_dir"]), fingerprint=fingerprint(fields),
+        # the manager only looks files up: one idle I/O thread per rank's store
+        read_threads=1 if lookups_only else int(extra.get("n_read_threads", 8)),
+        write_threads=0 if lookups_only else int(extra.get("n_write_threads", 8)),
         o_direct=str(extra.get("o_direct", "auto")),
         write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
         # the manager must stat the volume, never trust what it was told
@@ -86,34 +104,58 @@ def _store(spec: KvtierOffloadingSpec) -> BlockStore:
 
 
 class KvtierOffloadingManager(OffloadingManager):
-    def __init__(self, store: BlockStore, events: bool = False) -> None:
-        self.store = store
+    """Answers for every worker rank at once: one BlockStore per rank's files (rank 0
+    first). A key is stored only where every rank's file is there: a rank's store may be
+    dropped (write queue full, backoff, free-space floor) or its file evicted alone."""
+
+    def __init__(self, stores: BlockStore | Sequence[BlockStore], events: bool = False) -> None:
+        self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
         self._events: list[OffloadingEvent] | None = [] if events else None
 
+    @property
+    def store(self) -> BlockStore:
+        """Rank 0's files."""
+        return self.stores[0]
+
+    def _on_every_rank(self, keys: Collection[OffloadKey]) -> list[bool]:
+        """Whether each key's file is there for every rank, now (stat where not cached)."""
+        raw = [bytes(k) for k in keys]
+        there = [True] * len(raw)
+        for store in self.stores:
+            there = [a and b for a, b in zip(there, store.lookup_now(raw), strict=True)]
+        return there
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        present = self.store.lookup(bytes(key))  # a hit refreshes the file's atime
-        if present is None:
+        # Ask every rank's store (a hit refreshes that file's atime), so no rank's copy of
+        # a promised block looks idle to the evictor; a load that still misses on a rank
+        # (evicted meanwhile) becomes a recompute, not an error.
+        answers = [store.lookup(bytes(key)) for store in self.stores]
+        if False in answers:
+            return LookupResult.MISS
+        if None in answers:
             return LookupResult.RETRY
-        return LookupResult.HIT if present else LookupResult.MISS
+        return LookupResult.HIT
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return KvtierLoadStoreSpec(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        new = [k for k, there in zip(keys, self.store.lookup_now([bytes(k) for k in keys]),
-                                     strict=True) if not there]
+        # A key missing on any rank is stored again: ranks that have it skip the write.
+        new = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
+               if not there]
         return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        for key in keys:  # whatever the worker said, let the next lookup look at the volume
-            self.store.forget(bytes(key))
+        for store in self.stores:  # whatever the workers said, let the next lookup look
+            for key in keys:
+                store.forget(bytes(key))
         if self._events is not None and keys:
             # Announce only what really landed: a dropped store was reported "done" too.
-            landed = [k for k, there in zip(keys, self.store.lookup_now(
-                [bytes(k) for k in keys]), strict=True) if there]
+            landed = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
+                      if there]
             if landed:
                 self._events.append(OffloadingEvent(keys=list(landed), medium=Medium.STORAGE,
                                                     removed=False))
@@ -128,7 +170,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def shutdown(self) -> None:
-        self.store.close()
+        for store in self.stores:
+            store.close()
 
 
 class StagingPool:
@@ -214,6 +257,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._copying_out: dict[int, _Transfer] = {}  # store: device -> staging
         self._io: dict[int, _Transfer] = {}  # BlockStore job id -> transfer
         self._copying_in: dict[int, _Transfer] = {}  # load: staging -> device
+        self._load_errors: dict[int, list[int]] = {}  # failed load job -> its block ids
 
     # ------------------------------------------------------------ device copies
 
@@ -319,13 +363,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     self.staging.release(t.staging)
                     self._report(t.job_id, len(t.keys) * self.page_total, t.started)
                 elif not outcome.success:
+                    # Nothing unverified reaches the KV cache: the job's blocks are left
+                    # for vLLM to recompute (take_load_errors), the job reported failed.
                     self.staging.release(t.staging)
-                    bad = [k for k, ok in zip(outcome.keys, outcome.ok, strict=True) if not ok]
-                    raise KvtierLoadError(
-                        f"kvtier could not verify {len(bad)} promised block(s), e.g. "
-                        f"{self.store.layout.path(bad[0])}; stopping instead of computing "
-                        "on unverified KV (was the file deleted or corrupted after the "
-                        "lookup?)")
+                    self._load_errors[t.job_id] = [int(b) for b in t.block_ids]
+                    self._report(t.job_id, 0, t.started, success=False)
                 else:
                     t.fence = self._scatter(t.block_ids, t.staging)
                     self._copying_in[t.job_id] = t
@@ -337,9 +379,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self.staging.release(t.staging)  # the device copy has read it
                 self._report(job_id, len(t.keys) * self.page_total, t.started)
 
-    def _report(self, job_id: int, size: int, started: float) -> None:
-        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=size,
+    def _report(self, job_id: int, size: int, started: float, success: bool = True) -> None:
+        self._done.append(TransferResult(job_id=job_id, success=success, transfer_size=size,
                                          transfer_time=time.monotonic() - started))
+
+    def take_load_errors(self) -> dict[int, list[int]]:
+        """GPU block ids that failed loads left unfilled, by job id, since the last call
+        (each such job is reported by get_finished() with success=False)."""
+        out, self._load_errors = self._load_errors, {}
+        return out
 
     def get_finished(self) -> list[TransferResult]:
         self._progress()
@@ -364,13 +412,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            store = _store(self)
-            store.layout.write_config(spec_fingerprint(self))
+            stores = []
+            for rank in range(max(1, self.config.parallel.world_size)):
+                fields = rank_fingerprint(self.config, rank)
+                store = _store(self, fields, lookups_only=True)
+                store.layout.write_config(fields)
+                stores.append(store)
             self._manager = KvtierOffloadingManager(
-                store, events=self.kv_events_config.enable_kv_cache_events)
+                stores, events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KvtierOffloadingWorker(
-            _store(self), kv_caches, self.blocks_per_chunk,
+            _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)))

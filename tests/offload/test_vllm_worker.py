@@ -139,26 +139,3 @@ def test_files_are_written_only_after_the_device_copy_and_wait_fences_it(tmp_pat
     fences[1].fired = True
     assert finish(worker, {2}) == {2: True}
     worker.shutdown()
-
-
-def test_an_unverifiable_promised_block_stops_the_engine_naming_the_file(tmp_path):
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from kvtier_offload.vllm_spec import KvtierLoadError, KvtierLoadStoreSpec
-
-    worker, caches, fences = _fenced_worker(tmp_path)
-    keys = [bytes([b]) * 36 for b in (4, 5)]
-    worker.submit_store(1, GPULoadStoreSpec([4, 5], [2], [0]), KvtierLoadStoreSpec(keys))
-    worker.wait({1})
-    finish(worker, {1})
-    path = worker.store.layout.path(keys[1])
-    with open(path, "r+b") as f:
-        f.seek(5000)
-        f.write(b"\xff" * 8)
-    before = caches.tensors[0].tensor[[20, 21]].clone()
-    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([20, 21], [2], [0]))
-    with pytest.raises(KvtierLoadError, match=path.split("/")[-1]):
-        worker.wait({2})
-    assert len(fences) == 1, "unverified bytes were copied towards the KV cache"
-    assert (caches.tensors[0].tensor[[20, 21]] == before).all()
-    worker.shutdown()
