@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,9 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
     ))
 
 
+LOADED_REQUESTS = 4096  # requests whose loaded keys the manager remembers
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """Answers for every worker rank at once: one BlockStore per rank's files (rank 0
     first). A key is stored only where every rank's file is there: a rank's store may be
@@ -111,6 +115,11 @@ class KvtierOffloadingManager(OffloadingManager):
     def __init__(self, stores: BlockStore | Sequence[BlockStore], events: bool = False) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
         self._events: list[OffloadingEvent] | None = [] if events else None
+        # Keys each recent request has loaded. vLLM does not tell the manager whether a
+        # load succeeded; a request that looks up a key it has loaded is one whose load
+        # failed (it is back to recompute), or one preempted since: a miss for it either
+        # way, or it would load the same unreadable file again and again.
+        self._loaded: OrderedDict[str, set[bytes]] = OrderedDict()
 
     @property
     def store(self) -> BlockStore:
@@ -126,6 +135,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return there
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if bytes(key) in self._loaded.get(req_context.req_id, ()):
+            return LookupResult.MISS
         # Ask every rank's store (a hit refreshes that file's atime), so no rank's copy of
         # a promised block looks idle to the evictor; a load that still misses on a rank
         # (evicted meanwhile) becomes a recompute, not an error.
@@ -138,6 +149,13 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return KvtierLoadStoreSpec(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        loaded = self._loaded.setdefault(req_context.req_id, set())
+        loaded.update(bytes(k) for k in keys)
+        self._loaded.move_to_end(req_context.req_id)
+        while len(self._loaded) > LOADED_REQUESTS:
+            self._loaded.popitem(last=False)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:

@@ -185,11 +185,11 @@ def _config(rank: int, tp: int = 2, pp: int = 1, layers=("l0", "l1"), page=32768
             is_parallelism_agnostic=False))
 
 
-def _lookup(manager, key):
+def _lookup(manager, key, req_id="r"):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     deadline = time.monotonic() + 10
-    while (r := manager.lookup(key, ReqContext(req_id="r"))) is LookupResult.RETRY:
+    while (r := manager.lookup(key, ReqContext(req_id=req_id))) is LookupResult.RETRY:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     return r
@@ -270,6 +270,17 @@ def test_tp_a_rank_losing_its_file_after_the_hit_means_recompute_not_a_stop(tp2)
     # rank 0's copy is right; rank 1 left block 9 for vLLM to recompute on every rank
     for t in tp2.caches[0].tensors:
         assert torch.equal(t.tensor[9], t.tensor[3])
+
+
+def test_a_request_back_from_a_failed_load_misses_what_it_loaded(tp2):
+    """vLLM looks the request up again to recompute: a hit would load the same bad
+    file again, forever where it stays unreadable."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    tp2.manager.complete_load([tp2.key], ReqContext(req_id="r"))
+    assert tp2.manager.lookup(tp2.key, ReqContext(req_id="r")) is LookupResult.MISS
+    assert _lookup(tp2.manager, tp2.key, "other") is LookupResult.HIT
 
 
 def _results(worker, timeout=10.0):
