@@ -30,6 +30,7 @@ from kvtier_operator.quantity import (
     CR_MAX_INT,
     CR_MAX_LENGTH,
     CR_QUANTITY_REGEX,
+    MIB,
     normalize_quantity,
     quantity_bytes,
 )
@@ -68,6 +69,9 @@ LabelValue = patterned(rules.LABEL_VALUE)
 MapLabelKey = Annotated[str, AfterValidator(rules.check_label_key)]
 
 DEFAULT_FILE_TOKENS = 256  # storage.blockSize when unset
+STAGING_WITH_CPU_TIER = (
+    "spec.storage.stagingSize applies without a CPU tier only (kvtier's own staging "
+    "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove stagingSize")
 GPU_DIRECT_RULES = [
     {
         "rule": "has(self.cpu) || ((!has(self.connector) || self.connector == 'native') && "
@@ -79,6 +83,10 @@ GPU_DIRECT_RULES = [
         "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
         "message": "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each "
         "file holds one GPU block; remove blockSize",
+    },
+    {
+        "rule": "!has(self.cpu) || !has(self.storage) || !has(self.storage.stagingSize)",
+        "message": STAGING_WITH_CPU_TIER,
     },
 ]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -358,6 +366,20 @@ class StorageTier(ApiModel):
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
         "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
     )
+    staging_size: Quantity | None = Field(
+        default=None,
+        description="Without a CPU tier only: the pinned host memory each vLLM worker process "
+        "(one per GPU) uses to stage KV pages between GPU and files (kvtier's "
+        "max_staging_bytes); default 1Gi. The pod's memory request grows by this much per "
+        "worker process (see docs/sizing.md).",
+    )
+
+    @field_validator("staging_size")
+    @classmethod
+    def _staging_size(cls, value: str | None) -> str | None:
+        if value is not None and quantity_bytes(value) < MIB:
+            raise ValueError(f"{value!r} is too small to stage a KV block; use e.g. 1Gi")
+        return value
 
     @property
     def file_tokens(self) -> int:
@@ -519,6 +541,13 @@ class TieredPrefixCacheSpec(ApiModel):
         description="PYTHONHASHSEED for every selected pod; default derived from the "
         "namespace and name. Give two caches the same seed to share files.",
     )
+
+    @model_validator(mode="after")
+    def _staging_without_cpu_tier(self) -> TieredPrefixCacheSpec:
+        if self.cpu is not None and self.storage is not None and (
+                self.storage.staging_size is not None):
+            raise ValueError(STAGING_WITH_CPU_TIER)
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> TieredPrefixCacheSpec:

@@ -2,21 +2,27 @@
 
 For deployments without a CPU tier. The manager runs in the scheduler and answers
 lookups from the shared volume; the worker runs beside the model and copies KV pages
-to and from files through staging buffers. Loaded by vLLM from kv-transfer-config:
+to and from files through staging buffers. Loaded by vLLM from kv-transfer-config with
+kvtier's connector (kvtier_offload/vllm_connector.py), which can report a failed load:
 
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    {"kv_connector": "KvtierOffloadingConnector",
+     "kv_connector_module_path": "kvtier_offload.vllm_connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
         "spec_module_path": "kvtier_offload.vllm_spec", "root_dir": "/mnt/files-storage"}}
 
-Failures never stop the engine and never put unverified bytes into the KV cache:
+Failures cost a recompute, never an engine stop nor unverified bytes:
 - a store that fails, or finds no staging, is reported done but never becomes visible
   (lookups stat the volume and the manager never assumes a store landed), so it is
   simply a miss later;
-- a load whose blocks cannot all be verified copies only the verified ones, is reported
-  by get_finished() with success=False, and take_load_errors() names the GPU block ids
-  it did not load; kvtier's own connector turns those into recomputes (vLLM's stock
-  OffloadingConnector asserts success). Lookups refresh the file's access time so the
-  evictor keeps what was just promised.
+- a load whose blocks cannot all be verified (corrupt, short, missing, unreadable)
+  copies only the verified ones, is reported by get_finished() with success=False, and
+  take_load_errors() names the GPU block ids it did not fill; kvtier's connector hands
+  them to vLLM, which recomputes them (vLLM's stock OffloadingConnector asserts success).
+  The bad file is removed by the store.
+Every tensor/pipeline-parallel rank writes its own files (the fingerprint names the
+rank); a lookup is a hit only where every rank's file is there, and refreshes them all
+so the evictor's LRU keeps every rank's copy of what was just promised.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Collection, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,20 +73,36 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
 
 
+def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
+    """What makes the files of one worker rank incompatible: the shared fields, the
+    worker's page size and the rank (each rank writes its own pages). Computable for every
+    rank from any rank's config, the scheduler's included (where the rank is 0): with
+    tensor parallelism every rank holds the same layers at the same page size; with
+    pipeline parallelism each stage holds other layers, which the scheduler does not
+    know, so there the rank (with tp, pp and the model) names the stage, and each block
+    file's header still checks the payload length."""
+    fields = {**vllm_fields(config), "mode": "worker",
+              "page_bytes": config.worker_kv_bytes_per_block, "rank": rank}
+    if config.parallel.pp_size > 1:
+        fields["groups"] = [{"tokens_per_block": g["tokens_per_block"]}
+                            for g in fields["groups"]]
+        fields["page_bytes"] = None
+    return fields
+
+
 def spec_fingerprint(spec: OffloadingSpec) -> dict[str, Any]:
-    """What makes this spec's files incompatible: the shared fields plus the worker's page
-    size and rank (each rank writes its own pages)."""
-    config = spec.config
-    return {**vllm_fields(config), "mode": "worker",
-            "page_bytes": config.worker_kv_bytes_per_block, "rank": config.parallel.rank}
+    """The fingerprint fields of this process's own files."""
+    return rank_fingerprint(spec.config, spec.config.parallel.rank)
 
 
-def _store(spec: KvtierOffloadingSpec) -> BlockStore:
+def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
+           lookups_only: bool = False) -> BlockStore:
     extra = spec.extra_config
     return BlockStore(StoreConfig(
-        root=str(extra["root_dir"]), fingerprint=fingerprint(spec_fingerprint(spec)),
-        read_threads=int(extra.get("n_read_threads", 8)),
-        write_threads=int(extra.get("n_write_threads", 8)),
+        root=str(extra["root_dir"]), fingerprint=fingerprint(fields),
+        # the manager only looks files up: one idle I/O thread per rank's store
+        read_threads=1 if lookups_only else int(extra.get("n_read_threads", 8)),
+        write_threads=0 if lookups_only else int(extra.get("n_write_threads", 8)),
         o_direct=str(extra.get("o_direct", "auto")),
         write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
         # the manager must stat the volume, never trust what it was told
@@ -88,35 +110,76 @@ def _store(spec: KvtierOffloadingSpec) -> BlockStore:
     ))
 
 
+LOADED_REQUESTS = 4096  # requests whose loaded keys the manager remembers
+
+
 class KvtierOffloadingManager(OffloadingManager):
-    def __init__(self, store: BlockStore, events: bool = False) -> None:
-        self.store = store
+    """Answers for every worker rank at once: one BlockStore per rank's files (rank 0
+    first). A key is stored only where every rank's file is there: a rank's store may be
+    dropped (write queue full, backoff, free-space floor) or its file evicted alone."""
+
+    def __init__(self, stores: BlockStore | Sequence[BlockStore], events: bool = False) -> None:
+        self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
         self._events: list[OffloadingEvent] | None = [] if events else None
+        # Keys each recent request has loaded. vLLM does not tell the manager whether a
+        # load succeeded; a request that looks up a key it has loaded is one whose load
+        # failed (it is back to recompute), or one preempted since: a miss for it either
+        # way, or it would load the same unreadable file again and again.
+        self._loaded: OrderedDict[str, set[bytes]] = OrderedDict()
+
+    @property
+    def store(self) -> BlockStore:
+        """Rank 0's files."""
+        return self.stores[0]
+
+    def _on_every_rank(self, keys: Collection[OffloadKey]) -> list[bool]:
+        """Whether each key's file is there for every rank, now (stat where not cached)."""
+        raw = [bytes(k) for k in keys]
+        there = [True] * len(raw)
+        for store in self.stores:
+            there = [a and b for a, b in zip(there, store.lookup_now(raw), strict=True)]
+        return there
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        present = self.store.lookup(bytes(key))  # a hit refreshes the file's atime
-        if present is None:
+        if bytes(key) in self._loaded.get(req_context.req_id, ()):
+            return LookupResult.MISS
+        # Ask every rank's store (a hit refreshes that file's atime), so no rank's copy of
+        # a promised block looks idle to the evictor; a load that still misses on a rank
+        # (evicted meanwhile) becomes a recompute, not an error.
+        answers = [store.lookup(bytes(key)) for store in self.stores]
+        if False in answers:
+            return LookupResult.MISS
+        if None in answers:
             return LookupResult.RETRY
-        return LookupResult.HIT if present else LookupResult.MISS
+        return LookupResult.HIT
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return KvtierLoadStoreSpec(keys)
 
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        loaded = self._loaded.setdefault(req_context.req_id, set())
+        loaded.update(bytes(k) for k in keys)
+        self._loaded.move_to_end(req_context.req_id)
+        while len(self._loaded) > LOADED_REQUESTS:
+            self._loaded.popitem(last=False)
+
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        new = [k for k, there in zip(keys, self.store.lookup_now([bytes(k) for k in keys]),
-                                     strict=True) if not there]
+        # A key missing on any rank is stored again: ranks that have it skip the write.
+        new = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
+               if not there]
         return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        for key in keys:  # whatever the worker said, let the next lookup look at the volume
-            self.store.forget(bytes(key))
+        for store in self.stores:  # whatever the workers said, let the next lookup look
+            for key in keys:
+                store.forget(bytes(key))
         if self._events is not None and keys:
             # Announce only what really landed: a dropped store was reported "done" too.
-            landed = [k for k, there in zip(keys, self.store.lookup_now(
-                [bytes(k) for k in keys]), strict=True) if there]
+            landed = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
+                      if there]
             if landed:
                 self._events.append(OffloadingEvent(keys=list(landed), medium=Medium.STORAGE,
                                                     removed=False))
@@ -131,7 +194,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def shutdown(self) -> None:
-        self.store.close()
+        for store in self.stores:
+            store.close()
 
 
 @dataclass
@@ -516,14 +580,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            store = _store(self)
-            store.layout.write_config(spec_fingerprint(self))
+            stores = []
+            for rank in range(max(1, self.config.parallel.world_size)):
+                fields = rank_fingerprint(self.config, rank)
+                store = _store(self, fields, lookups_only=True)
+                store.layout.write_config(fields)
+                stores.append(store)
             self._manager = KvtierOffloadingManager(
-                store, events=self.kv_events_config.enable_kv_cache_events)
+                stores, events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KvtierOffloadingWorker(
-            _store(self), kv_caches, self.blocks_per_chunk,
+            _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
             shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)))

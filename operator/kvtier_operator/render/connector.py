@@ -12,9 +12,13 @@ from kvtier_operator.render import sizing
 # package (sidecar/kvtier_offload/vllm_tier.py defines it).
 KVTIER_TIER_TYPE = "KvtierStorageTier"
 KVTIER_TIER_MODULE = "kvtier_offload.vllm_tier"
-# Without a CPU tier: kvtier's own OffloadingSpec (sidecar/kvtier_offload/vllm_spec.py).
+# Without a CPU tier: kvtier's own OffloadingSpec (sidecar/kvtier_offload/vllm_spec.py)
+# under kvtier's connector (vllm_connector.py), which reports a block it could not load
+# so that vLLM recomputes it (vLLM's own OffloadingConnector would stop the engine).
 KVTIER_SPEC_NAME = "KvtierOffloadingSpec"
 KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
+KVTIER_CONNECTOR = "KvtierOffloadingConnector"
+KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
 LMCACHE_DISK_DIR = "lmcache"
 
 
@@ -22,22 +26,12 @@ def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:
     spec = tpc.spec
     if spec.connector == Connector.lmcache:
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if spec.gpu_direct:
+        return _gpu_direct_config(tpc)
     storage = spec.storage
     backend = spec.storage_backend
-    extra: dict[str, Any]
-    if spec.gpu_direct:
-        assert storage is not None  # the model requires the kvtier shared tier
-        extra = {
-            "spec_name": KVTIER_SPEC_NAME,
-            "spec_module_path": KVTIER_SPEC_MODULE,
-            "root_dir": storage.mount_path,
-            "n_read_threads": storage.read_threads,
-            "n_write_threads": storage.write_threads,
-            "max_staging_bytes": sizing.GPU_DIRECT_STAGING_BYTES,
-        }
-    else:
-        extra = {"cpu_bytes_to_use": spec.cpu_bytes}
-    if storage is not None and backend is not None and not spec.gpu_direct:
+    extra: dict[str, Any] = {"cpu_bytes_to_use": spec.cpu_bytes}
+    if storage is not None and backend is not None:
         tier: dict[str, Any]
         if backend == StorageBackend.vllm_fs:
             tier = {"type": "fs"}
@@ -58,6 +52,27 @@ def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
+    }
+
+
+def _gpu_direct_config(tpc: TieredPrefixCache) -> dict[str, Any]:
+    """No CPU tier: kvtier's connector and spec; a load that fails is recomputed."""
+    spec = tpc.spec
+    storage = spec.storage
+    assert storage is not None  # the model requires the kvtier shared tier
+    return {
+        "kv_connector": KVTIER_CONNECTOR,
+        "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": KVTIER_SPEC_NAME,
+            "spec_module_path": KVTIER_SPEC_MODULE,
+            "root_dir": storage.mount_path,
+            "n_read_threads": storage.read_threads,
+            "n_write_threads": storage.write_threads,
+            "max_staging_bytes": sizing.staging_bytes(spec),
+        },
     }
 
 

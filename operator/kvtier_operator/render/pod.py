@@ -248,9 +248,18 @@ def _add_volume(pod_spec: dict[str, Any], volume: dict[str, Any], conflicts: lis
     volumes.append(volume)
 
 
+def _worker_processes(tpc: TieredPrefixCache, container: dict[str, Any]) -> int:
+    """vLLM worker processes in the container, where it matters: without a CPU tier each
+    pins its own staging. A command line too long to read is a conflict anyway."""
+    if not tpc.spec.gpu_direct or len(command_line(container)) > MAX_COMMAND_CHARS:
+        return 1
+    return sizing.worker_processes(container)
+
+
 def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixCache,
          conflicts: list[str]) -> sizing.PodSizing:
     """Size a memory-backed /dev/shm: resize the pod's own if it has one, else add ours."""
+    workers = _worker_processes(tpc, container)
     for m in container.get("volumeMounts") or []:
         if m.get("mountPath") != names.SHM_MOUNT:
             continue
@@ -263,12 +272,12 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixC
                 f"{m.get('name')!r}, which is not a memory-backed emptyDir; kvtier sizes "
                 "/dev/shm for the CPU tier: remove that mount"
             )
-            return sizing.pod_sizing(tpc.spec, None)
+            return sizing.pod_sizing(tpc.spec, None, workers)
         before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
-        result = sizing.pod_sizing(tpc.spec, before)
+        result = sizing.pod_sizing(tpc.spec, before, workers)
         empty_dir["sizeLimit"] = format_bytes(result.shm_bytes)
         return result
-    result = sizing.pod_sizing(tpc.spec, None)
+    result = sizing.pod_sizing(tpc.spec, None, workers)
     _add_volume(pod_spec, {"name": names.VOLUME_SHM,
                            "emptyDir": {"medium": "Memory",
                                         "sizeLimit": format_bytes(result.shm_bytes)}}, conflicts)

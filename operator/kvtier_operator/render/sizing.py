@@ -6,7 +6,9 @@ volume); nothing is guessed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier_operator.models import Connector, StorageBackend, TieredPrefixCacheSpec
 from kvtier_operator.quantity import GIB, MIB, quantity_bytes, round_up
@@ -17,8 +19,14 @@ SHM_BASE_BYTES = 2 * GIB
 PROCESS_HEADROOM_BYTES = 1 * GIB
 GB = 10**9  # LMCache sizes are in decimal GB
 # Without a CPU tier: the pinned staging buffers of kvtier's offloading worker (its
-# max_staging_bytes), which hold the KV pages of the transfers in flight.
+# max_staging_bytes), which hold the KV pages of the transfers in flight. Every vLLM
+# worker process (one per GPU) pins its own; spec.storage.stagingSize overrides it.
 GPU_DIRECT_STAGING_BYTES = 1 * GIB
+# vLLM flags whose product is the worker processes of one engine, where the container
+# does not say how many GPUs it has.
+PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
+                  "--pipeline-parallel-size": "pp", "-pp": "pp",
+                  "--data-parallel-size": "dp", "-dp": "dp"}
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,52 @@ def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
     return threads * chunk_bytes(spec)
 
 
-def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None) -> PodSizing:
+def staging_bytes(spec: TieredPrefixCacheSpec) -> int:
+    """Pinned staging of one vLLM worker process without a CPU tier (max_staging_bytes)."""
+    storage = spec.storage
+    if storage is None or storage.staging_size is None:
+        return GPU_DIRECT_STAGING_BYTES
+    return quantity_bytes(storage.staging_size)
+
+
+_WORD = re.compile(r"[^\s'\"]+")
+
+
+def worker_processes(container: dict[str, Any]) -> int:
+    """vLLM worker processes in one model-server container (each pins its own staging):
+    its GPUs (any resources limit or request named */gpu), else the product of vLLM's
+    tensor-, pipeline- and data-parallel sizes in its command and args, else 1."""
+    resources = container.get("resources") or {}
+    for kind in ("limits", "requests"):
+        for name, value in (resources.get(kind) or {}).items():
+            if name.endswith("/gpu") and str(value).isdigit() and int(value) > 0:
+                return int(value)
+    words: list[str] = []
+    for part in (container.get("command") or []) + (container.get("args") or []):
+        # Words split at whitespace and quotes (sh -c "vllm serve ... -tp 4" included), in
+        # linear time: this runs in the admission webhook on any pod's command line.
+        words += _WORD.findall(str(part))
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for i, word in enumerate(words):
+        flag, _, inline = word.partition("=")
+        value = inline or (words[i + 1] if i + 1 < len(words) else "")
+        if flag in PARALLEL_FLAGS and re.fullmatch(r"[1-9][0-9]{0,3}", value):
+            sizes[PARALLEL_FLAGS[flag]] = int(value)
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
+def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
+               workers: int = 1) -> PodSizing:
     """Sizes for one pod; existing_shm_bytes is the sizeLimit of a /dev/shm emptyDir the
-    pod already has (0 for one without a limit is treated as none)."""
+    pod already has (0 for one without a limit is treated as none); workers: the vLLM
+    worker processes in the container (worker_processes), each with its own staging."""
     cpu = spec.cpu_bytes
     before = existing_shm_bytes or 0
     if spec.gpu_direct:
-        # Nothing in /dev/shm: the worker's staging is pinned process memory.
+        # Nothing in /dev/shm: each worker's staging is pinned process memory.
         shm = before or SHM_BASE_BYTES
-        increase = GPU_DIRECT_STAGING_BYTES + (shm - before) + PROCESS_HEADROOM_BYTES
+        staging = staging_bytes(spec) * max(1, workers)
+        increase = staging + (shm - before) + PROCESS_HEADROOM_BYTES
     elif spec.connector == Connector.native:
         # vLLM's CPU tier is an mmap in /dev/shm: it grows by exactly the tier.
         shm = round_up(before + cpu if before else cpu + SHM_BASE_BYTES, MIB)

@@ -1,0 +1,121 @@
+"""kvtier's vLLM connector (vLLM 0.32): the OffloadingConnector, able to fail a load.
+
+vLLM's OffloadingConnector asserts that every worker transfer succeeded, so a block file
+that is corrupt, short, missing or unreadable when its load runs would stop the engine.
+This connector's worker side instead turns a failed load job into load errors for the
+GPU blocks it did not fill, and with `kv_load_failure_policy: "recompute"` vLLM's
+scheduler recomputes them; the job still counts as completed and its request as
+finished receiving, so nothing leaks or waits forever. Loaded by vLLM with
+
+    {"kv_connector": "KvtierOffloadingConnector",
+     "kv_connector_module_path": "kvtier_offload.vllm_connector",
+     "kv_load_failure_policy": "recompute", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec", ...}}
+
+The offloading worker (kvtier_offload.vllm_spec.KvtierOffloadingWorker) reports a load
+it could not verify through get_finished() with success=False, and take_load_errors()
+gives the GPU block ids that load left unfilled, by job id.
+
+How each failure reaches vLLM's scheduler:
+- one KV cache group (the usual case): the failed blocks, through
+  get_block_ids_with_load_errors(); the request keeps the prefix before the first bad
+  block and recomputes from there;
+- several groups (hybrid models): block ids are unique only within a group and vLLM
+  refuses block-level errors, so the request is reported in failed_recving and is
+  recomputed whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+
+class KvtierConnectorWorker(OffloadingConnectorWorker):
+    """vLLM's worker-side connector, with failed loads reported instead of asserted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._failed_block_ids: set[int] = set()
+        self._failed_req_ids: set[str] = set()
+
+    @property
+    def block_level_errors(self) -> bool:
+        """Whether vLLM can take failed loads as block ids (one KV cache group)."""
+        return len(self.kv_cache_config.kv_cache_groups) == 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        finished_recving: set[str] = set()
+        results = self.worker.get_finished()
+        # After get_finished(): the errors of every job it reported failed are in.
+        errors: dict[int, list[int]] = self.worker.take_load_errors()  # type: ignore[attr-defined]
+        meta = self._connector_worker_meta
+        for result in results:
+            job_id = result.job_id
+            req_id = self._load_jobs.pop(job_id, None)
+            if result.success:
+                if result.transfer_time is not None and result.transfer_size is not None:
+                    stats = (meta.transfer_stats.load if req_id is not None
+                             else meta.transfer_stats.store)
+                    stats.record(result.transfer_size, result.transfer_time)
+            elif req_id is not None:
+                self._fail(req_id, errors.get(job_id, ()))
+            # A failed store needs nothing: its keys are simply never found.
+            meta.mark_completed(job_id)  # done either way: the scheduler frees the job
+            if req_id is not None:
+                finished_recving.add(req_id)  # failed or not, the request stops waiting
+        return set(), finished_recving
+
+    def _fail(self, req_id: str, block_ids: Any) -> None:
+        if self.block_level_errors and block_ids:
+            self._failed_block_ids.update(int(b) for b in block_ids)
+        else:  # no block ids to give (or vLLM could not map them): recompute it whole
+            self._failed_req_ids.add(req_id)
+
+    def take_failed_block_ids(self) -> set[int]:
+        out, self._failed_block_ids = self._failed_block_ids, set()
+        return out
+
+    def take_failed_req_ids(self) -> set[str]:
+        out, self._failed_req_ids = self._failed_req_ids, set()
+        return out
+
+
+class KvtierOffloadingConnector(OffloadingConnector):
+    """vLLM's OffloadingConnector with kvtier's failure reporting on the worker side."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None:
+            parent = self.connector_worker  # holds no transfers yet: rebuilt on its spec
+            self.connector_worker = KvtierConnectorWorker(
+                parent.spec, parent.vllm_config, parent.kv_cache_config)
+
+    @property
+    def _kvtier_worker(self) -> KvtierConnectorWorker:
+        assert isinstance(self.connector_worker, KvtierConnectorWorker)
+        return self.connector_worker
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished_sending, finished_recving = self.get_finished(finished_req_ids)
+        failed = self._kvtier_worker.take_failed_req_ids()
+        return KVConnectorTransferResults(
+            finished_sending=set(finished_sending or ()),
+            finished_recving=set(finished_recving or ()) | failed,
+            failed_recving=failed,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks right after get_transfer_results(), in the same step: the errors of
+        # a request arrive no later than the step that reports it finished receiving.
+        if self.connector_worker is None:
+            return set()
+        return self._kvtier_worker.take_failed_block_ids()

