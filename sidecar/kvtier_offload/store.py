@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -341,6 +342,7 @@ class BlockStore:
         self._backoff = 0.0
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
         self._logged: set[str] = set()
+        self._unfinished_logged = -math.inf  # when drain() last warned (monotonic)
         self._closed = False
         memory_speed = probe_memory_speed(self.layout.base, self.o_direct)
         # Where files move at memory speed, large blocks go piece by piece, each hashed
@@ -543,7 +545,8 @@ class BlockStore:
     def drain(self, timeout: float | None = WAIT_SECONDS) -> bool:
         """Wait until every submitted job has finished (results stay in finished()), at
         most timeout seconds (None: as long as it takes). False where some were still
-        unfinished then, logged: an I/O thread stuck on the volume (a hung mount)."""
+        unfinished then, logged at most once a minute (a caller may poll): an I/O thread
+        stuck on the volume (a hung mount), or simply more work than the timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._jobs:
@@ -554,8 +557,13 @@ class BlockStore:
                 self._idle.wait(left)
             else:
                 return True
-        log.warning("kvtier: %d job(s) still unfinished after waiting %.1fs; an I/O thread "
-                    "may be stuck on the volume", unfinished, timeout)
+            now = time.monotonic()
+            warn = timeout and now - self._unfinished_logged >= 60.0
+            if warn:
+                self._unfinished_logged = now
+        if warn:
+            log.warning("kvtier: %d job(s) still unfinished after waiting %.1fs; an I/O "
+                        "thread may be stuck on the volume", unfinished, timeout)
         return False
 
     # --------------------------------------------------------------- store
