@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from kvtier_evictor.anchored import REPLACED, DirChain, Root
 from kvtier_evictor.layouts import Layout
 from kvtier_evictor.lock import LockHeld, VolumeLock
 from kvtier_evictor.report import (
@@ -60,6 +62,7 @@ class Run:
         self._statvfs = usage_source or (lambda: statvfs_usage(config.root))
         self._budget_bytes = 0  # cache bytes found by the last full scan (budget mode)
         self._errors_lock = threading.Lock()  # _error runs on the delete pool's threads
+        self._root: Root | None = None  # open while files are deleted
 
     # ------------------------------------------------------------- usage
 
@@ -134,9 +137,14 @@ class Run:
         log.info("scanned %d block files with %d thread(s); %d used within minIdle; %d "
                  "candidates; %d stale temp files", totals.files, totals.threads,
                  totals.skipped_recent, len(selection), len(totals.stale_temps))
-        self._reap_temps(totals.stale_temps)
-        self._delete(selection.oldest_first(), lock, totals.threads)
-        self._remove_dirs(totals.empty_dirs)
+        with Root(cfg.root) as root:  # every deletion goes through directory fds below it
+            self._root = root
+            try:
+                self._reap_temps(totals.stale_temps)
+                self._delete(selection.oldest_first(), lock, totals.threads)
+                self._remove_dirs(totals.empty_dirs)
+            finally:
+                self._root = None
         if cfg.capacity_bytes is not None:
             self._budget_bytes = max(self._budget_bytes - self.report.bytes_freed, 0)
         after = self.usage()
@@ -154,12 +162,44 @@ class Run:
                  self.report.dirs_removed, after.percent, after.inode_percent)
 
     # ----------------------------------------------------------- actions
+    # Everything is deleted relative to directories opened below the root without
+    # following symlinks (anchored.py), and only where the name still holds the regular
+    # file the scan saw: a directory swapped for a symlink since the scan, or a file
+    # replaced, is left alone (skipped_changed), never followed.
 
-    def _unlink(self, path: str) -> bool:
+    def _chain(self) -> DirChain:
+        if self._root is None:
+            raise RuntimeError("the volume root is not open")
+        return DirChain(self._root)
+
+    def _recheck(self, cand: Candidate, chain: DirChain
+                 ) -> tuple[int, str, os.stat_result] | bool:
+        """(directory fd, name, stat) where the scanned file is still there; False where
+        it is gone, True where something else stands on its path now."""
+        assert self._root is not None
+        try:
+            *dirs, name = self._root.names(cand.path)
+            dir_fd = chain.open(dirs)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False  # a writer or another cleaner got there first
+        except ValueError as err:
+            self._error(str(err))
+            return False
+        except OSError as err:
+            if err.errno in REPLACED:
+                return True  # a directory on its path is no directory any more
+            self._error(f"stat {cand.path}: {err.strerror or err}")
+            return False
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (cand.dev, cand.ino):
+            return True  # replaced since the scan (a rewrite, a rename, a swap)
+        return dir_fd, name, st
+
+    def _unlink(self, dir_fd: int, name: str, path: str) -> bool:
         if self.cfg.dry_run:
             return True
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
             return True
         except FileNotFoundError:
             return False  # a writer or another cleaner got there first
@@ -167,38 +207,41 @@ class Run:
             self._error(f"unlink {path}: {err.strerror or err}")
             return False
 
-    def _reap_temps(self, paths: Iterable[str]) -> None:
-        for path in paths:
-            try:
-                size = os.stat(path).st_size
-            except OSError:
-                continue
-            if self._unlink(path):
-                self.report.temp_files_reaped += 1
-                self.report.bytes_freed += size
+    def _reap_temps(self, temps: Iterable[Candidate]) -> None:
+        with self._chain() as chain:
+            for cand in sorted(temps, key=lambda c: c.path):
+                found = self._recheck(cand, chain)
+                if isinstance(found, bool):
+                    continue
+                dir_fd, name, st = found
+                if self.clock() - st.st_mtime < self.cfg.temp_guard_seconds:
+                    continue  # written to since the scan: its writer is alive
+                if self._unlink(dir_fd, name, cand.path):
+                    self.report.temp_files_reaped += 1
+                    self.report.bytes_freed += st.st_size
 
-    def _delete_one(self, cand: Candidate) -> tuple[int, int, int]:
-        """(deleted, bytes, changed): re-stat just before unlinking so a file used since
-        the scan is kept."""
-        try:
-            st = os.stat(cand.path)
-        except FileNotFoundError:
-            return 0, 0, 0
-        except OSError as err:
-            self._error(f"stat {cand.path}: {err.strerror or err}")
-            return 0, 0, 0
+    def _delete_one(self, cand: Candidate, chain: DirChain) -> tuple[int, int, int]:
+        """(deleted, bytes, changed): re-stat just before unlinking so a file used or
+        replaced since the scan is kept."""
+        found = self._recheck(cand, chain)
+        if isinstance(found, bool):
+            return 0, 0, int(found)
+        dir_fd, name, st = found
         used = last_use(st)
         if used > cand.last_use or self.clock() - used < self.cfg.min_idle_seconds:
             return 0, 0, 1
-        if self._unlink(cand.path):
+        if self._unlink(dir_fd, name, cand.path):
             return 1, cand.size, 0
         return 0, 0, 0
 
     def _delete_chunk(self, chunk: list[Candidate]) -> tuple[int, int, int]:
+        """One worker's share of a batch, in path order: neighbours share the directories
+        opened for the one before."""
         deleted = freed = changed = 0
-        for cand in chunk:
-            d, b, c = self._delete_one(cand)
-            deleted, freed, changed = deleted + d, freed + b, changed + c
+        with self._chain() as chain:
+            for cand in sorted(chunk, key=lambda c: c.path):
+                d, b, c = self._delete_one(cand, chain)
+                deleted, freed, changed = deleted + d, freed + b, changed + c
         return deleted, freed, changed
 
     def _delete(self, candidates: list[Candidate], lock: VolumeLock, threads: int) -> None:
@@ -228,12 +271,15 @@ class Run:
     def _remove_dirs(self, paths: Iterable[str]) -> None:
         if self.cfg.dry_run:
             return
-        for path in sorted(paths, key=len, reverse=True):
-            try:
-                os.rmdir(path)
-                self.report.dirs_removed += 1
-            except OSError:
-                pass  # no longer empty (a writer is using it) or already gone
+        assert self._root is not None
+        with self._chain() as chain:
+            for path in sorted(paths, key=len, reverse=True):  # children before parents
+                try:
+                    *dirs, name = self._root.names(path)
+                    os.rmdir(name, dir_fd=chain.open(dirs))  # a symlink there: ENOTDIR
+                    self.report.dirs_removed += 1
+                except (OSError, ValueError):
+                    pass  # no longer empty (a writer is using it), gone, or replaced
 
 
 def run(config: Config) -> EvictionReport:

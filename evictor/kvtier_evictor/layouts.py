@@ -1,6 +1,9 @@
 """The cache file layouts the evictor may touch. Anything else on the volume is never
 touched: a file is a candidate only when every directory above it and its own name match
 the layout in use.
+
+Every pattern must match a whole name (`fullmatch`): with `re.match` and `$`, a name
+ending in a newline ("<key>.kvb\n", "kvtier\n") would pass as the name without it.
 """
 
 from __future__ import annotations
@@ -27,26 +30,32 @@ class Layout:
     # Units of parallel scanning: directories whose children match dir_levels[parallel_level].
     parallel_level: int
 
+    def dir_matches(self, level: int, name: str) -> bool:
+        """Whether a directory named `name` belongs at `level` below the volume root."""
+        return self.dir_levels[level].fullmatch(name) is not None
+
     def classify(self, name: str) -> Kind | None:
-        if self.block_file.match(name):
+        if self.block_file.fullmatch(name):
             return Kind.BLOCK
-        if self.temp_file is not None and self.temp_file.match(name):
+        if self.temp_file is not None and self.temp_file.fullmatch(name):
             return Kind.TEMP
         return None
 
 
 def _p(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+    """A pattern for whole names, ASCII classes only. Callers use fullmatch; the `\\Z`
+    makes `match` whole-name too, so no caller can get it wrong."""
+    return re.compile(rf"(?:{pattern})\Z", re.ASCII)
 
 
 # kvtier backend: <root>/kvtier/v1/<fingerprint>/<k[0:2]>/<k[2:4]>/<key>.kvb, written via
 # .<key>.kvb.<random>.tmp in the same directory (sidecar/kvtier_offload/layout.py).
 KVTIER = Layout(
     name="kvtier",
-    dir_levels=(_p(r"^kvtier$"), _p(r"^v1$"), _p(r"^[0-9a-f]{16}$"), _p(r"^[0-9a-f]{2}$"),
-                _p(r"^[0-9a-f]{2}$")),
-    block_file=_p(r"^[0-9a-f]{8,}\.kvb$"),
-    temp_file=_p(r"^\.[0-9a-f]{8,}\.kvb\.[0-9a-f]+\.tmp$"),
+    dir_levels=(_p(r"kvtier"), _p(r"v1"), _p(r"[0-9a-f]{16}"), _p(r"[0-9a-f]{2}"),
+                _p(r"[0-9a-f]{2}")),
+    block_file=_p(r"[0-9a-f]{8,}\.kvb"),
+    temp_file=_p(r"\.[0-9a-f]{8,}\.kvb\.[0-9a-f]+\.tmp"),
     first_removable_level=3,
     parallel_level=4,  # one unit per <k[0:2]> directory: 256 per fingerprint
 )
@@ -56,9 +65,9 @@ KVTIER = Layout(
 # written via <hex>.bin_<random>.tmp.
 VLLM_FS = Layout(
     name="vllm-fs",
-    dir_levels=(_p(r"^.+_[0-9a-f]{12}_r\d+$"), _p(r"^[0-9a-f]{3}$"), _p(r"^[0-9a-f]{2}_g\d+$")),
-    block_file=_p(r"^[0-9a-f]+\.bin$"),
-    temp_file=_p(r"^[0-9a-f]+\.bin_\d+\.tmp$"),
+    dir_levels=(_p(r".+_[0-9a-f]{12}_r\d+"), _p(r"[0-9a-f]{3}"), _p(r"[0-9a-f]{2}_g\d+")),
+    block_file=_p(r"[0-9a-f]+\.bin"),
+    temp_file=_p(r"[0-9a-f]+\.bin_\d+\.tmp"),
     first_removable_level=1,
     parallel_level=2,  # one unit per <hex[0:3]> directory
 )
@@ -66,8 +75,8 @@ VLLM_FS = Layout(
 # LMCache's local disk backend under the directory kvtier points LMCACHE_LOCAL_DISK at.
 LMCACHE = Layout(
     name="lmcache",
-    dir_levels=(_p(r"^lmcache$"),),
-    block_file=_p(r"^[^.].*$"),
+    dir_levels=(_p(r"lmcache"),),
+    block_file=_p(r"[^.].*"),
     temp_file=None,
     first_removable_level=1,
     parallel_level=1,

@@ -24,6 +24,9 @@ class Candidate(NamedTuple):
     last_use: float
     size: int
     path: str
+    # Which file the scan saw there: deletion re-checks that the name still holds it.
+    dev: int = 0
+    ino: int = 0
 
 
 def last_use(st: os.stat_result) -> float:
@@ -47,23 +50,24 @@ class LruSelection:
     def __init__(self, bytes_needed: int, files_needed: int) -> None:
         self.bytes_needed = max(bytes_needed, 0)
         self.files_needed = max(files_needed, 0)
-        self._heap: list[tuple[float, int, str]] = []  # (-last_use, size, path)
+        self._heap: list[tuple[float, int, str, int, int]] = []  # (-last_use, size, path,
+        # dev, ino)
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def offer(self, when: float, size: int, path: str) -> None:
-        self.offer_many([(when, size, path)])
+    def offer(self, when: float, size: int, path: str, dev: int = 0, ino: int = 0) -> None:
+        self.offer_many([(when, size, path, dev, ino)])
 
-    def offer_many(self, items: list[tuple[float, int, str]]) -> None:
+    def offer_many(self, items: list[tuple[float, int, str, int, int]]) -> None:
         """Offer one directory's files at once: one lock round trip, not one per file."""
         if not items or (self.bytes_needed == 0 and self.files_needed == 0):
             return
         with self._lock:
             heap = self._heap
-            for when, size, path in items:
+            for when, size, path, dev, ino in items:
                 if heap and self._satisfied(0) and -heap[0][0] <= when:
                     continue  # newer than everything kept, and we already have enough
-                heapq.heappush(heap, (-when, size, path))
+                heapq.heappush(heap, (-when, size, path, dev, ino))
                 self._bytes += size
                 while heap:
                     top_size = heap[0][1]
@@ -81,7 +85,8 @@ class LruSelection:
         return len(self._heap)
 
     def oldest_first(self) -> list[Candidate]:
-        return [Candidate(-neg, size, path) for neg, size, path in sorted(self._heap, reverse=True)]
+        return [Candidate(-neg, size, path, dev, ino)
+                for neg, size, path, dev, ino in sorted(self._heap, reverse=True)]
 
 
 @dataclass
@@ -90,7 +95,7 @@ class ScanTotals:
     block_bytes: int = 0
     temp_bytes: int = 0
     skipped_recent: int = 0
-    stale_temps: list[str] = field(default_factory=list)
+    stale_temps: list[Candidate] = field(default_factory=list)  # last_use: the mtime
     empty_dirs: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     threads: int = 1  # how many threads the scan chose (deletion uses as many)
@@ -129,9 +134,8 @@ def units(root: str, layout: Layout) -> Iterator[tuple[str, int]]:
         if level == layout.parallel_level:
             yield path, level
             return
-        pattern = layout.dir_levels[level]
         for entry in _scandir(path, ScanTotals()):
-            if pattern.match(entry.name) and entry.is_dir(follow_symlinks=False):
+            if layout.dir_matches(level, entry.name) and entry.is_dir(follow_symlinks=False):
                 yield from descend(entry.path, level + 1)
 
     if layout.parallel_level == 0:
@@ -164,12 +168,10 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
                 pass
             return
         at_leaf = lvl == len(layout.dir_levels)
-        offers: list[tuple[float, int, str]] = []
+        offers: list[tuple[float, int, str, int, int]] = []
         for entry in entries:
             if not at_leaf:
-                if layout.dir_levels[lvl].match(entry.name) and entry.is_dir(
-                    follow_symlinks=False
-                ):
+                if layout.dir_matches(lvl, entry.name) and entry.is_dir(follow_symlinks=False):
                     walk(entry.path, lvl + 1)
                 continue
             kind = layout.classify(entry.name)
@@ -188,7 +190,8 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             if kind is Kind.TEMP:
                 totals.temp_bytes += size
                 if rules.now - st.st_mtime >= rules.temp_guard_seconds:
-                    totals.stale_temps.append(entry.path)
+                    totals.stale_temps.append(Candidate(st.st_mtime, size, entry.path,
+                                                        st.st_dev, st.st_ino))
                 continue
             totals.files += 1
             totals.block_bytes += size
@@ -196,7 +199,7 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             if rules.now - used < rules.min_idle_seconds:
                 totals.skipped_recent += 1
             elif selection is not None:
-                offers.append((used, size, entry.path))
+                offers.append((used, size, entry.path, st.st_dev, st.st_ino))
         if selection is not None:
             selection.offer_many(offers)
 

@@ -7,9 +7,11 @@ pread/pwrite, digest, close, rename) runs as machine code compiled by numba (a v
 dependency) calling libc directly, so I/O threads run truly in parallel and the
 interpreter is paid once per batch, not per block.
 
-Only the common case lives here: a file that is whole, reads or writes in full and (on
-load) carries exactly the header expected and a payload matching its digest. Any other
-outcome (a missing, short, damaged or foreign file, an error of any kind) is reported as
+Only the common case lives here: a regular file (opened without following a symlink and
+without blocking, so a FIFO or device planted at a block path is never waited on) that
+is whole, reads or writes in full and (on load) carries exactly the header expected and
+a payload matching its digest. Any other outcome (a missing, short, damaged or foreign
+file, anything but a regular file, an error of any kind) is reported as
 "not done" and the block store redoes that block on its Python path, which owns every
 error, metric and log line, so there is one place that decides what a failure means.
 Linux only; `AVAILABLE` is False elsewhere or without numba, and the store then uses
@@ -36,15 +38,23 @@ from kvtier_offload.fileformat import (
     LENGTH_OFFSET,
     MAX_KEY,
 )
-from kvtier_offload.layout import SUFFIX, TEMP_SUFFIX
+from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, SUFFIX, TEMP_SUFFIX
 
 DONE = 0
 NOT_DONE = 1
 EXISTS = 2  # a store whose final name was already there: nothing written
-_AT_EMPTY_PATH, _STATX_ATIME, _STATX_MTIME = 0x1000, 0x20, 0x40
+_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_EMPTY_PATH = -100, 0x100, 0x1000
+_STATX_TYPE, _STATX_ATIME, _STATX_MTIME = 0x1, 0x20, 0x40
 _CLOCK_MONOTONIC = 1
 O_ACCMODE = 3  # of open()'s flags: O_RDONLY, O_WRONLY or O_RDWR
-_STATX_ATIME_AT, _STATX_MTIME_AT = 64, 112  # struct statx is the same on every arch
+# struct statx is the same on every arch: stx_mode is the u16 at byte 28 (the high half
+# of the 4th 8-byte word, after stx_gid)
+_STATX_ATIME_AT, _STATX_MTIME_AT, _STATX_MODE_WORD = 64, 112, 3
+_S_IFMT, _S_IFREG = 0o170000, 0o100000
+# How a load opens a block file: a FIFO opens at once instead of waiting for a writer, a
+# tty never becomes the controlling terminal, a symlink at the block's name is refused
+# (ELOOP). The type is checked after open, before any read.
+READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def address(buffer: memoryview) -> int:
@@ -62,8 +72,11 @@ def _packed(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     (Plain iterators, not numpy steps: a few of those would cost more than the batch's
     whole interpreter time per block.)"""
     lengths = list(map(len, keys))
-    if lengths and max(lengths) > MAX_KEY:
-        raise ValueError(f"a key is longer than {MAX_KEY} bytes")
+    if lengths and max(lengths) > min(MAX_KEY, MAX_KEY_BYTES):
+        raise ValueError(f"a key is longer than {min(MAX_KEY, MAX_KEY_BYTES)} bytes (the "
+                         "layout's limit)")
+    if lengths and min(lengths) < MIN_KEY_BYTES:
+        raise ValueError(f"a key is shorter than {MIN_KEY_BYTES} bytes (the layout's limit)")
     bounds = np.fromiter(itertools.accumulate(lengths, initial=0), np.int64, len(keys) + 1)
     return np.frombuffer(b"".join(keys), dtype=np.uint8), bounds
 
@@ -104,7 +117,6 @@ def _build() -> tuple[object, object, object]:
     c_fdatasync = c("fdatasync", c_int, c_int)
     c_rename = c("rename", c_int, word, word)
     c_unlink = c("unlink", c_int, word)
-    c_access = c("access", c_int, word, c_int)
     c_statx = c("statx", c_int, c_int, word, c_int, ctypes.c_uint, word)
     c_clock_gettime = c("clock_gettime", c_int, c_int, word)  # the vDSO: ~20 ns
     digest_words = payload_digest.digest_words
@@ -187,6 +199,11 @@ def _build() -> tuple[object, object, object]:
             numba.carray(words_at(header), 4096 // 8)[DIGEST_OFFSET // 8] = digest[0]
             return transfer(fd, header, 4096, 0, write)
         return True
+
+    @numba.njit(nogil=True)
+    def regular(stx: np.ndarray) -> bool:  # pragma: no cover (machine code)
+        # Whether a struct statx filled in by the kernel describes a regular file.
+        return ((stx[_STATX_MODE_WORD] >> 32) & _S_IFMT) == _S_IFREG
 
     @numba.njit(nogil=True)
     def now_ns(timespec: np.ndarray) -> int:  # pragma: no cover (machine code)
@@ -297,6 +314,19 @@ def _build() -> tuple[object, object, object]:
             if fd < 0:
                 elapsed[i] = (now_ns(clock) - began) * 1e-9
                 continue
+            # Nothing but a regular file is read (a FIFO would block a read, a directory
+            # or device has no business here); its times are taken on the way.
+            if c_statx(fd, empty.ctypes.data, _AT_EMPTY_PATH,
+                       _STATX_TYPE | _STATX_ATIME | _STATX_MTIME,
+                       stx.ctypes.data) != 0 or not regular(stx):
+                c_close(fd)
+                elapsed[i] = (now_ns(clock) - began) * 1e-9
+                continue
+            atime = stx[_STATX_ATIME_AT // 8] * 10**9 + (stx[_STATX_ATIME_AT // 8 + 1]
+                                                        & 0xFFFFFFFF)
+            mtime = stx[_STATX_MTIME_AT // 8] * 10**9 + (stx[_STATX_MTIME_AT // 8 + 1]
+                                                        & 0xFFFFFFFF)
+            last_used[i] = max(atime, mtime)
             if 0 < piece < sizes[i]:
                 whole = in_pieces(fd, headers.ctypes.data + i * 4096, dests[i], sizes[i], piece,
                                   write, secret, digest)
@@ -305,13 +335,6 @@ def _build() -> tuple[object, object, object]:
                                            sizes[i], write)
                 if whole:
                     digest[0] = digest_at(dests[i], sizes[i], secret)
-            if whole and c_statx(fd, empty.ctypes.data, _AT_EMPTY_PATH,
-                                 _STATX_ATIME | _STATX_MTIME, stx.ctypes.data) == 0:
-                atime = stx[_STATX_ATIME_AT // 8] * 10**9 + (stx[_STATX_ATIME_AT // 8 + 1]
-                                                            & 0xFFFFFFFF)
-                mtime = stx[_STATX_MTIME_AT // 8] * 10**9 + (stx[_STATX_MTIME_AT // 8 + 1]
-                                                            & 0xFFFFFFFF)
-                last_used[i] = max(atime, mtime)
             c_close(fd)  # read-only: nothing to lose on a failed close
             if whole:
                 header_into(want, origin, prefix, sizes[i], keys, bounds[i], bounds[i + 1])
@@ -333,12 +356,16 @@ def _build() -> tuple[object, object, object]:
         tmp = scratch_path(base, bounds, token)
         digest = np.zeros(1, np.uint64)
         clock = np.zeros(2, np.int64)
+        stx = np.zeros(256 // 8, np.int64)
         for i in range(datas.shape[0]):
             status[i] = 1
             began = now_ns(clock)
             path_into(final, base, keys, bounds[i], bounds[i + 1], token[:0])
-            if c_access(final.ctypes.data, 0) == 0:  # another writer got there first
-                status[i] = 2
+            if c_statx(_AT_FDCWD, final.ctypes.data, _AT_SYMLINK_NOFOLLOW, _STATX_TYPE,
+                       stx.ctypes.data) == 0:
+                # A regular file: another writer got there first. Anything else (a
+                # directory, FIFO, symlink): the Python path decides.
+                status[i] = 2 if regular(stx) else 1
                 elapsed[i] = (now_ns(clock) - began) * 1e-9
                 continue
             header_into(headers, i * 4096, prefix, sizes[i], keys, bounds[i], bounds[i + 1])
@@ -414,8 +441,10 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
     fingerprint) but for its digest field, which must equal the payload's digest. Paths
     and expected headers are built in machine code, not per block in Python.
 
-    Returns (status, last use): DONE where all of that holds, else NOT_DONE; last use is
-    the later of the file's atime and mtime in ns, 0 where statx could not say. The caller
+    Returns (status, last use): DONE where all of that holds, else NOT_DONE (so is
+    anything but a regular file: opened with READ_FLAGS, its type checked before a byte
+    is read); last use is the later of the file's atime and mtime in ns before this read,
+    0 where the file was not opened. The caller
     vouches that each address range is writable memory it owns; with direct, addresses and
     headers must be 4 KiB aligned. piece: payloads larger than this move in pieces of it
     (a multiple of 4 KiB), each hashed while in cache; 0: one read per file (what a device
@@ -423,7 +452,7 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
     packed, bounds, addresses, sizes, status, elapsed = _arguments(keys, addresses, sizes,
                                                                    piece, seconds)
     last_used = np.zeros(len(keys), dtype=np.int64)
-    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    flags = READ_FLAGS | (os.O_DIRECT if direct else 0)
     _read_batch(_c_bytes(base), _array(prefix), packed, bounds,  # type: ignore[misc]
                 addresses, sizes, np.frombuffer(headers, np.uint8), flags, piece,
                 payload_digest.SECRET, status, last_used, elapsed)
@@ -437,8 +466,9 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
     """Write each key's block file under base: its header (built here into
     headers[i * 4096:], digest filled in) and the payload of sizes[i] bytes at
     addresses[i], to the temp name with this token (Layout.temp_path), close, and rename it
-    to its final name. Returns per block DONE, EXISTS (its final name was already there:
-    nothing written) or NOT_DONE; a block not done leaves no file behind. The fan-out
+    to its final name. Returns per block DONE, EXISTS (a regular file had its final name
+    already: nothing written) or NOT_DONE (so is a final name held by anything else: a
+    directory, FIFO or symlink); a block not done leaves no file behind. The fan-out
     directories must exist. piece, seconds (here: from the existence check to the
     rename), memory and alignment: as for read_blocks."""
     packed, bounds, addresses, sizes, status, elapsed = _arguments(keys, addresses, sizes,

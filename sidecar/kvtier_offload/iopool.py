@@ -12,6 +12,7 @@ job could use right now (`spare`), so the store splits a job only as far as that
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -78,10 +79,19 @@ class IOPool:
                 with self._cv:
                     self._busy[is_read] -= 1
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the threads."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish what is queued, then stop the threads, within timeout seconds (None: as
+        long as it takes). False where time ran out: tasks not started by then are
+        dropped and never run; a thread stuck in a task is left behind (daemon)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):
+            return True
+        with self._cv:
+            self._reads.clear()
+            self._writes.clear()
+        return False

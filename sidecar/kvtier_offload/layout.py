@@ -6,7 +6,10 @@
 
 The fingerprint isolates incompatible configurations; the two-level fan-out bounds any
 directory to 256 entries of the next level. The evictor (evictor/kvtier_evictor/
-layouts.py) matches exactly these names and nothing else.
+layouts.py) matches exactly these names and nothing else: a key must be at least
+MIN_KEY_BYTES long (the evictor wants 8 hex digits; a shorter key would also be shorter
+than the fan-out it is filed under) and at most MAX_KEY_BYTES (its temp name must fit in
+a file name). Other keys are refused, never filed somewhere the evictor does not look.
 """
 
 from __future__ import annotations
@@ -22,7 +25,18 @@ from kvtier_offload.fileformat import VERSION
 FORMAT_DIR = os.path.join("kvtier", "v1")
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+TOKEN_HEX_DIGITS = 16  # a temp name's random token: secrets.token_hex(8)
+NAME_MAX = 255  # bytes in one file name (Linux filesystems, NFS, Lustre)
+MIN_KEY_BYTES = 4  # 8 hex digits: the evictor's `[0-9a-f]{8,}\.kvb`
+# .<hex key>.kvb.<token>.tmp must fit NAME_MAX: 114 bytes
+MAX_KEY_BYTES = (NAME_MAX - len(f"..{SUFFIX}{TEMP_SUFFIX}") - TOKEN_HEX_DIGITS) // 2
 DIR_MODE = 0o2775  # group-writable + setgid: an evictor with the pods' fsGroup may delete
+
+
+def key_fits(key: object) -> bool:
+    """Whether key can name a block file inside the layout (bytes of MIN_KEY_BYTES to
+    MAX_KEY_BYTES); the store refuses any other key as a miss or a failed block."""
+    return isinstance(key, bytes) and MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES
 
 
 def fingerprint(config: dict[str, Any]) -> str:
@@ -66,6 +80,9 @@ class Layout:
         self.base = os.path.join(root, FORMAT_DIR, fp)
 
     def path(self, key: bytes) -> str:
+        if not key_fits(key):
+            raise ValueError(f"a block key must be {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, "
+                             f"not {len(key) if isinstance(key, bytes) else type(key).__name__}")
         h = key.hex()
         # os.path.join is slower; batchio builds the same names in machine code
         return f"{self.base}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
@@ -75,7 +92,8 @@ class Layout:
         unique per writer by its random token (one per batch will do: a batch that
         meets its own temp file fails that block, and the retry draws another)."""
         directory, name = self.path(key).rsplit("/", 1)
-        return f"{directory}/.{name}.{token or secrets.token_hex(8)}{TEMP_SUFFIX}"
+        token = token or secrets.token_hex(TOKEN_HEX_DIGITS // 2)
+        return f"{directory}/.{name}.{token}{TEMP_SUFFIX}"
 
     def ensure_dir(self, directory: str) -> None:
         """makedirs with group-writable directories whatever the umask: one mkdir where

@@ -7,15 +7,28 @@ I/O threads with reads ahead of writes, O_DIRECT where the filesystem takes it, 
 copies when buffers are aligned, and a write queue with a time budget that drops what it
 cannot write in time (counted, never reported stored). Filesystem errors never escape to
 vLLM: they fail the job, and ENOSPC/EDQUOT/EIO/EACCES/EROFS back the writers off.
+
+Only regular files are block files. A writer on the shared volume may leave anything at a
+block's name: a FIFO, socket, device, directory or symlink is never waited on (opened
+O_NONBLOCK, type checked before a read), never followed (O_NOFOLLOW), never a lookup hit
+(lstat, S_ISREG), and is a counted miss that the load removes where it can (unlink; rmdir
+of an empty directory). kvtier itself never makes symlinks, so refusing them costs nothing
+but a recompute where someone linked a copy in by hand; following them would let any
+writer on the volume make vLLM open any file or device the pod can reach.
+Keys outside the layout's bounds (layout.key_fits) are refused: a miss, a failed block.
+Waiting on the I/O threads (drain, close) is bounded: a thread stuck in the kernel on a
+hung mount costs the caller at most the timeout, never the engine.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -36,7 +49,7 @@ from kvtier_offload.fileformat import (
     padded,
 )
 from kvtier_offload.iopool import IOPool
-from kvtier_offload.layout import Layout
+from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
 from kvtier_offload.metrics import Metrics, observe_all
 
 log = logging.getLogger("kvtier_offload")
@@ -46,6 +59,10 @@ BACKOFF_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.ERO
 ALIGN = 4096
 BATCH_BYTES = 8 << 20  # a batch task moves at most this much (at least one block)
 PIECE = 512 << 10  # larger blocks move in pieces of this on memory-speed volumes
+# drain() and close() wait at most this long by default: far longer than any healthy
+# job (a store waits at most write_queue_seconds to start), short enough that a thread
+# stuck on a hung mount does not hang its caller for good.
+WAIT_SECONDS = 120.0
 
 
 @dataclass
@@ -107,6 +124,11 @@ class _Job:
     started: float = field(default_factory=time.monotonic)
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds until deadline (monotonic), at least 0; None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def _address(buf: memoryview) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
 
@@ -122,6 +144,26 @@ def _advance(views: list[memoryview], n: int) -> None:
         views.pop(0)
     if views and n:
         views[0] = views[0][n:]
+
+
+def _odd_kind(mode: int) -> str | None:
+    """What a file of this mode is, where it is not a regular file (None where it is)."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+class NotAFile(BadBlock):
+    """Something other than a regular file at a block's path."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__("not-a-file", f"a {kind} at a block path")
+        self.kind = kind
 
 
 def probe_o_direct(directory: str) -> bool:
@@ -300,6 +342,7 @@ class BlockStore:
         self._backoff = 0.0
         self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
         self._logged: set[str] = set()
+        self._unfinished_logged = -math.inf  # when drain() last warned (monotonic)
         self._closed = False
         memory_speed = probe_memory_speed(self.layout.base, self.o_direct)
         # Where files move at memory speed, large blocks go piece by piece, each hashed
@@ -383,14 +426,26 @@ class BlockStore:
 
     # -------------------------------------------------------------- lookup
 
+    def _refused(self, key: object, direction: str) -> bool:
+        """Whether key is outside the layout (layout.key_fits): counted, logged once."""
+        if key_fits(key):
+            return False
+        self.metrics.operations.labels(direction, "bad-key").inc()
+        self._log_once("bad-key", "kvtier refused a key of %s (a block key is %d to %d "
+                       "bytes); a miss, vLLM recomputes",
+                       f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__,
+                       MIN_KEY_BYTES, MAX_KEY_BYTES)
+        return True
+
     def _stat_key(self, key: bytes) -> bool:
         path = self.layout.path(key)
         try:
-            st = os.stat(path)
+            st = os.stat(path, follow_symlinks=False)
         except OSError:
             present = False
         else:
-            present = st.st_size >= HEADER_SIZE
+            # Only a regular file is a block (a directory is 4096 bytes on ext4, NFS).
+            present = stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_SIZE
             if present:
                 self._touch(path, st)
         self._remember(key, present)
@@ -399,6 +454,8 @@ class BlockStore:
 
     def lookup(self, key: bytes) -> bool | None:
         """True/False from the cache, or None while a background lookup runs."""
+        if self._refused(key, "lookup"):
+            return False
         cached = self._cached(key)
         if cached is not None:
             return cached
@@ -413,6 +470,9 @@ class BlockStore:
         """Synchronous, batched: cached answers, a stat for the rest."""
         out = []
         for key in keys:
+            if self._refused(key, "lookup"):
+                out.append(False)
+                continue
             cached = self._cached(key)
             out.append(cached if cached is not None else self._stat_key(key))
         return out
@@ -432,6 +492,8 @@ class BlockStore:
                 self._lookup_pending.difference_update(batch)
 
     def forget(self, key: bytes) -> None:
+        if not key_fits(key):
+            return  # never cached
         with self._lock:
             self._cache.pop(key, None)
 
@@ -480,16 +542,29 @@ class BlockStore:
         with self._lock:
             return len(self._jobs)
 
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted job has finished (results stay in finished())."""
+    def drain(self, timeout: float | None = WAIT_SECONDS) -> bool:
+        """Wait until every submitted job has finished (results stay in finished()), at
+        most timeout seconds (None: as long as it takes). False where some were still
+        unfinished then, logged at most once a minute (a caller may poll): an I/O thread
+        stuck on the volume (a hung mount), or simply more work than the timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._jobs:
-                left = None if deadline is None else deadline - time.monotonic()
+                left = _left(deadline)
                 if left is not None and left <= 0:
-                    return False
+                    unfinished = len(self._jobs)
+                    break
                 self._idle.wait(left)
-        return True
+            else:
+                return True
+            now = time.monotonic()
+            warn = timeout and now - self._unfinished_logged >= 60.0
+            if warn:
+                self._unfinished_logged = now
+        if warn:
+            log.warning("kvtier: %d job(s) still unfinished after waiting %.1fs; an I/O "
+                        "thread may be stuck on the volume", unfinished, timeout)
+        return False
 
     # --------------------------------------------------------------- store
 
@@ -587,7 +662,10 @@ class BlockStore:
         at: dict[int, int] = {}
         if self.batch_io:
             indices, addresses = sources.batchable(batch, self.o_direct, writes_into=False)
-            at = dict(zip(indices, addresses.tolist(), strict=True))
+            # A key outside the layout goes the per-block way, where it is refused.
+            at = {index: address for index, address in zip(indices, addresses.tolist(),
+                                                           strict=True)
+                  if key_fits(keys[index])}
         total = sum(HEADER_SIZE + sources.size(index) for index in batch)
         if len(at) == len(batch) and self._batch_may_write(enqueued, start, total):
             indices = self._approve_batch(job, keys, sources, batch, progress)
@@ -693,6 +771,8 @@ class BlockStore:
                        look: bool = True) -> bool | None:
         """False: drop this store; True: already stored; None: write it. look: also
         ask the volume whether the file is there (the batch path asks it itself)."""
+        if self._refused(key, "store"):
+            return False
         if now - enqueued > self.cfg.write_queue_seconds:
             self.metrics.dropped.labels("stale").inc()
             return False
@@ -704,7 +784,7 @@ class BlockStore:
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._cached(key) or (look and os.path.exists(self.layout.path(key))):
+        if self._cached(key) or (look and self._regular_file_at(self.layout.path(key))):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
@@ -843,6 +923,9 @@ class BlockStore:
             if self.batch_io:
                 # Machine code writes through a raw address: never into a read-only buffer.
                 indices, addresses = dests.batchable(batch, self.o_direct)
+                if not all(key_fits(keys[index]) for index in indices):
+                    fit = [n for n, index in enumerate(indices) if key_fits(keys[index])]
+                    indices, addresses = [indices[n] for n in fit], addresses[fit]
                 if indices:
                     self._load_batch(job, keys, dests, indices, addresses, settled)
             for index in batch:
@@ -896,6 +979,8 @@ class BlockStore:
 
     def _load_one(self, key: bytes, dest: memoryview) -> bool:
         """Load one block into dest on the Python path."""
+        if self._refused(key, "load"):
+            return False
         start = time.monotonic()
         path = self.layout.path(key)
         try:
@@ -906,12 +991,10 @@ class BlockStore:
             return False
         except BadBlock as bad:
             self.metrics.corrupt.labels(bad.reason).inc()
-            self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); removed "
-                           "it, vLLM recomputes", path, bad)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            removed = self._remove_bad(path, bad)
+            self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); %s, "
+                           "vLLM recomputes", path, bad,
+                           "removed it" if removed else "could not remove it")
             self._remember(key, False)
             return False
         except OSError as err:
@@ -929,12 +1012,48 @@ class BlockStore:
         if payload_digest != expected:
             raise BadBlock("bad-checksum", "payload checksum mismatch")
 
+    @staticmethod
+    def _regular_file_at(path: str) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    @staticmethod
+    def _remove_bad(path: str, bad: BadBlock) -> bool:
+        """Remove a refused block file; True where it is gone. A FIFO, socket, device or
+        symlink goes by unlink (only the name: no target is touched); a directory only
+        where empty (rmdir): one with entries stays, a miss on every lookup."""
+        try:
+            if isinstance(bad, NotAFile) and bad.kind == "directory":
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            return False
+        return True
+
     def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:
         size = len(dest)
         direct = self.o_direct
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            # Never waits (a FIFO opens at once), never follows a symlink (ELOOP).
+            fd = os.open(path, batchio.READ_FLAGS | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            raise
+        except OSError as err:  # ELOOP for a symlink, EINVAL/ENXIO for some special files
+            try:
+                kind = _odd_kind(os.stat(path, follow_symlinks=False).st_mode)
+            except OSError:
+                kind = None
+            if kind is None:
+                raise
+            raise NotAFile(kind) from err
         try:
             st = os.fstat(fd)
+            kind = _odd_kind(st.st_mode)
+            if kind is not None:  # checked before a byte is read
+                raise NotAFile(kind)
             if st.st_size < HEADER_SIZE + size:
                 raise BadBlock("truncated", f"{st.st_size} bytes, need {HEADER_SIZE + size}")
             if direct and not _aligned(dest):
@@ -957,13 +1076,24 @@ class BlockStore:
 
     # ------------------------------------------------------------ lifetime
 
-    def close(self) -> None:
-        """Finish queued work, then stop every thread."""
+    def close(self, timeout: float | None = WAIT_SECONDS) -> bool:
+        """Finish queued work, then stop every thread, within timeout seconds in all
+        (None: as long as it takes). False where time ran out, logged: work not started
+        by then is dropped (its jobs never finish), and a thread stuck in a call on the
+        volume is left behind (a daemon thread, it ends with the process; a load it is
+        in may still write its destination when the call returns). A second call returns
+        True at once."""
         if self._closed:
-            return
-        self.drain()
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drained = self.drain(timeout)
         self._closed = True
         with self._lookup_cv:
             self._lookup_cv.notify_all()
-        self._pool.close()
-        self._lookup_thread.join()
+        stopped = self._pool.close(_left(deadline))
+        self._lookup_thread.join(_left(deadline))
+        if drained and stopped and not self._lookup_thread.is_alive():
+            return True
+        log.warning("kvtier: closed with threads still stuck after %.1fs; left them behind",
+                    timeout)
+        return False
