@@ -43,13 +43,13 @@ def probe(path: str, block_bytes: int = 16 << 20, total_bytes: int = 1 << 30,
     try:
         start = time.perf_counter()
         store.store(1, list(zip(keys, rows, strict=True)))
-        store.drain()
+        store.drain(timeout=None)
         store_s = time.perf_counter() - start
         stored = store.finished()[0]
         dests = [memoryview(bytearray(block_bytes)) for _ in range(min(blocks, threads * 2))]
         start = time.perf_counter()
         store.load(2, [(k, dests[i % len(dests)]) for i, k in enumerate(keys)])
-        store.drain()
+        store.drain(timeout=None)
         load_s = time.perf_counter() - start
         loaded = store.finished()[0]
         failures = stored.ok.count(False) + loaded.ok.count(False)
@@ -57,5 +57,5 @@ def probe(path: str, block_bytes: int = 16 << 20, total_bytes: int = 1 << 30,
                            blocks * block_bytes / store_s / 1e9,
                            blocks * block_bytes / load_s / 1e9, failures)
     finally:
-        store.close()
+        store.close(timeout=None)
         shutil.rmtree(workdir, ignore_errors=True)
