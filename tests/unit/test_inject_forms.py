@@ -54,7 +54,7 @@ def test_exec_form_doubles_every_dollar_for_the_kubelet():
 def test_shell_form_gets_only_constant_text_and_the_env_var():
     pod = vllm_pod(command=["bash", "-lc"], args=["set -e\nexec vllm serve m --port 8000"])
     c = injected(pod)
-    assert c["args"] == [f"set -e\nexec vllm serve {OPTION} m --port 8000"]
+    assert c["args"] == [f"set -e\nexec vllm serve m --port 8000 {OPTION}"]
     assert json.loads(env_value(c, names.ENV_KV_TRANSFER_CONFIG)) == json.loads(
         kv_transfer_json(tpc()))
 
@@ -63,12 +63,12 @@ def test_shell_form_gets_only_constant_text_and_the_env_var():
     (["tini", "--", "vllm", "serve"], ["m"], ["tini", "--", "vllm", "serve"],
      ["m", "--kv-transfer-config", None]),
     (["tini", "--", "sh", "-c", "exec vllm serve m"], None,
-     ["tini", "--", "sh", "-c", f"exec vllm serve {OPTION} m"], None),
+     ["tini", "--", "sh", "-c", f"exec vllm serve m {OPTION}"], None),
     (["env", "A=1", "python3", "-u", "-m", "vllm.entrypoints.openai.api_server"], None,
      ["env", "A=1", "python3", "-u", "-m", "vllm.entrypoints.openai.api_server"],
      ["--kv-transfer-config", None]),
     (["sh", "-e", "-c"], ["exec vllm serve m", "name"], ["sh", "-e", "-c"],
-     [f"exec vllm serve {OPTION} m", "name"]),
+     [f"exec vllm serve m {OPTION}", "name"]),
 ])
 def test_launchers_and_options_are_read(command, args, expected_command, expected_args):
     c = injected(vllm_pod(command=command, args=args))
@@ -103,9 +103,25 @@ def test_what_it_cannot_read_with_certainty_is_a_conflict_naming_the_fix(command
     'exec vllm serve m "--kv-transfer-config={}"',
     "exec vllm serve m '--kv_offloading_size' 10",
     'exec vllm serve m --kv-offloading-backend="native"',
+    # vLLM reads '_' and '-' alike in a flag's name, dotted sub-keys included
+    "exec vllm serve m --kv-transfer_config.kv_connector X",
+    "exec vllm serve m --kv_transfer-config '{}'",
+    "exec vllm serve m --kv-offloading_backend native",
 ])
 def test_own_offload_flags_are_found_however_quoted(script):
     assert "already passes" in conflicts(vllm_pod(command=["sh", "-c", script], args=None))
+
+
+@pytest.mark.parametrize(("command", "args"), [
+    (["sh", "-c", "KVTIER_KV_TRANSFER_CONFIG={}; exec vllm serve m"], None),
+    (["sh", "-c", "unset KVTIER_KV_TRANSFER_CONFIG\nexec vllm serve m"], None),
+    (["env", "KVTIER_KV_TRANSFER_CONFIG=x", "sh", "-c", "exec vllm serve m"], None),
+])
+def test_a_command_line_that_touches_the_config_env_var_is_a_conflict(command, args):
+    """A script that sets or unsets the variable kvtier passes the config in would start
+    vLLM without it: left alone, with the reason."""
+    assert "mentions KVTIER_KV_TRANSFER_CONFIG" in conflicts(vllm_pod(command=command,
+                                                                      args=args))
 
 
 def test_a_user_set_config_env_var_is_a_conflict_unless_it_matches():

@@ -76,8 +76,12 @@ SHAPES: list[tuple[str, list[str] | None, list[str] | None, str]] = [
     ("sh-c-python-module",
      ["sh", "-c", "exec python3 -m vllm.entrypoints.openai.api_server --model m"], None,
      "inject"),
-    ("kube-reference-after", ["sh", "-c", "exec vllm serve $(MODEL) --port 8000"], None,
-     "inject"),
+    ("shell-env-model", ["sh", "-c", 'exec vllm serve "$MODEL" --served-model-name x'],
+     None, "inject"),
+    # the kubelet rewrites $(MODEL) inside the very command kvtier edits: its value could
+    # end that command early, so this is a conflict (the message says to write $MODEL)
+    ("kube-reference-in-command", ["sh", "-c", "exec vllm serve $(MODEL) --port 8000"], None,
+     "either"),
     ("echo-first", ["sh", "-c", 'echo "starting vllm serve"; exec vllm serve m'], None,
      "either"),
     ("echo-first-single", ["bash", "-c", "echo 'vllm serve' && exec vllm serve m"], None,

@@ -292,16 +292,16 @@ def test_inject_shell_form_llm_d_style():
     c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
     assert len(c["args"]) == 1
     # only constant text goes into the script; the JSON stays in the env var
-    assert c["args"][0] == ('exec vllm serve --kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"'
-                            " \\\n  Qwen/Qwen3-32B \\\n  --tensor-parallel-size=2\n")
+    assert c["args"][0] == ("exec vllm serve \\\n  Qwen/Qwen3-32B \\\n  --tensor-parallel-size=2"
+                            ' --kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"\n')
     assert json.loads(env_of(c)[names.ENV_KV_TRANSFER_CONFIG]) == kv_transfer_config(tpc())
 
 
 def test_inject_shell_form_in_command():
     pod = vllm_pod(command=["bash", "-c", "pip list; vllm serve m --port 8000"], args=None)
     c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
-    assert c["command"][2] == ('pip list; vllm serve --kv-transfer-config '
-                               '"$KVTIER_KV_TRANSFER_CONFIG" m --port 8000')
+    assert c["command"][2] == ('pip list; vllm serve m --port 8000 --kv-transfer-config '
+                               '"$KVTIER_KV_TRANSFER_CONFIG"')
 
 
 def test_inject_python_module_form():

@@ -77,41 +77,45 @@ def test_script_index_after_a_launcher():
 # ------------------------------------------------------------ the scanner: edits
 
 @pytest.mark.parametrize(("script", "expected"), [
-    ("vllm serve m", "vllm serve OPT m"),
-    ("exec vllm serve m", "exec vllm serve OPT m"),
+    ("vllm serve m", "vllm serve m OPT"),
+    ("exec vllm serve m", "exec vllm serve m OPT"),
     ("exec vllm serve", "exec vllm serve OPT"),
-    ("exec /usr/local/bin/vllm serve m", "exec /usr/local/bin/vllm serve OPT m"),
-    ("exec vllm  \t serve\tm", "exec vllm  \t serve OPT\tm"),
-    ("set -e\nexec vllm serve m\n", "set -e\nexec vllm serve OPT m\n"),
-    ("pip list; vllm serve m", "pip list; vllm serve OPT m"),
-    ("true && vllm serve m || exit 1", "true && vllm serve OPT m || exit 1"),
-    ("vllm serve m & wait", "vllm serve OPT m & wait"),
-    ("vllm serve m 2>&1 | tee /tmp/log", "vllm serve OPT m 2>&1 | tee /tmp/log"),
+    ("exec /usr/local/bin/vllm serve m", "exec /usr/local/bin/vllm serve m OPT"),
+    ("exec vllm  \t serve\tm", "exec vllm  \t serve\tm OPT"),
+    ("set -e\nexec vllm serve m\n", "set -e\nexec vllm serve m OPT\n"),
+    ("pip list; vllm serve m", "pip list; vllm serve m OPT"),
+    ("true && vllm serve m || exit 1", "true && vllm serve m OPT || exit 1"),
+    ("vllm serve m & wait", "vllm serve m OPT & wait"),
+    ("vllm serve m 2>&1 | tee /tmp/log", "vllm serve m OPT 2>&1 | tee /tmp/log"),
     ("vllm serve>log", "vllm serve OPT>log"),
-    ("exec >/tmp/log 2>&1\nexec vllm serve m", "exec >/tmp/log 2>&1\nexec vllm serve OPT m"),
-    ("A=1 B='x y' exec vllm serve m", "A=1 B='x y' exec vllm serve OPT m"),
-    ("VLLM_LOGGING_LEVEL=DEBUG vllm serve m", "VLLM_LOGGING_LEVEL=DEBUG vllm serve OPT m"),
+    ("exec >/tmp/log 2>&1\nexec vllm serve m", "exec >/tmp/log 2>&1\nexec vllm serve m OPT"),
+    ("A=1 B='x y' exec vllm serve m", "A=1 B='x y' exec vllm serve m OPT"),
+    ("VLLM_LOGGING_LEVEL=DEBUG vllm serve m", "VLLM_LOGGING_LEVEL=DEBUG vllm serve m OPT"),
+    # the model stays the first word after serve (vLLM 0.32 insists with
+    # --served-model-name); options go after the command's last word
+    ("exec vllm serve m --served-model-name x", "exec vllm serve m --served-model-name x OPT"),
+    ("vllm serve m >log 2>&1 --port 1", "vllm serve m >log 2>&1 --port 1 OPT"),
     # continuation lines
-    ("exec vllm serve \\\n  m \\\n  --port 8000\n", "exec vllm serve OPT \\\n  m \\\n  --port 8000\n"),
-    ("exec vllm \\\n  serve m", "exec vllm \\\n  serve OPT m"),
+    ("exec vllm serve \\\n  m \\\n  --port 8000\n", "exec vllm serve \\\n  m \\\n  --port 8000 OPT\n"),
+    ("exec vllm \\\n  serve m", "exec vllm \\\n  serve m OPT"),
     # comments are understood and ignored
-    ("# start vllm serve below\nexec vllm serve m", "# start vllm serve below\nexec vllm serve OPT m"),
-    ("exec vllm serve m # not 'vllm serve'", "exec vllm serve OPT m # not 'vllm serve'"),
-    ("echo a;# vllm serve\nvllm serve m", "echo a;# vllm serve\nvllm serve OPT m"),
+    ("# start vllm serve below\nexec vllm serve m", "# start vllm serve below\nexec vllm serve m OPT"),
+    ("exec vllm serve m # not 'vllm serve'", "exec vllm serve m OPT # not 'vllm serve'"),
+    ("echo a;# vllm serve\nvllm serve m", "echo a;# vllm serve\nvllm serve m OPT"),
     # quotes, escapes and expansions before and after
     ("echo 'it''s' \"a \\\"b\\\" $HOME ${PORT:-8000} $1 $@ $$\"; exec vllm serve m",
-     "echo 'it''s' \"a \\\"b\\\" $HOME ${PORT:-8000} $1 $@ $$\"; exec vllm serve OPT m"),
+     "echo 'it''s' \"a \\\"b\\\" $HOME ${PORT:-8000} $1 $@ $$\"; exec vllm serve m OPT"),
     ('H=$(hostname -i); exec vllm serve m --host "$H"',
-     'H=$(hostname -i); exec vllm serve OPT m --host "$H"'),
-    ('X="$(echo "$(date)")"; vllm serve m', 'X="$(echo "$(date)")"; vllm serve OPT m'),
-    ("exec vllm serve m --name 'a;b' \"c d\" \\; x", "exec vllm serve OPT m --name 'a;b' \"c d\" \\; x"),
-    ("echo a#b\nvllm serve m", "echo a#b\nvllm serve OPT m"),
-    ("echo { x }; vllm serve m", "echo { x }; vllm serve OPT m"),
+     'H=$(hostname -i); exec vllm serve m --host "$H" OPT'),
+    ('X="$(echo "$(date)")"; vllm serve m', 'X="$(echo "$(date)")"; vllm serve m OPT'),
+    ("exec vllm serve m --name 'a;b' \"c d\" \\; x", "exec vllm serve m --name 'a;b' \"c d\" \\; x OPT"),
+    ("echo a#b\nvllm serve m", "echo a#b\nvllm serve m OPT"),
+    ("echo { x }; vllm serve m", "echo { x }; vllm serve m OPT"),
     # python module forms
     ("exec python3 -m vllm.entrypoints.openai.api_server --model m",
-     "exec python3 -m vllm.entrypoints.openai.api_server OPT --model m"),
+     "exec python3 -m vllm.entrypoints.openai.api_server --model m OPT"),
     ("python -u -m vllm.entrypoints.cli.main serve m",
-     "python -u -m vllm.entrypoints.cli.main serve OPT m"),
+     "python -u -m vllm.entrypoints.cli.main serve m OPT"),
     ("exec python3.12 -m vllm.entrypoints.openai.api_server",
      "exec python3.12 -m vllm.entrypoints.openai.api_server OPT"),
 ])
@@ -283,7 +287,7 @@ def test_the_longest_script_read_is_classified_fast(unit):
     tail = "\nexec vllm serve m"
     script = unit * ((shell.MAX_SCRIPT_CHARS - len(tail)) // len(unit)) + tail
     assert len(script) <= shell.MAX_SCRIPT_CHARS
-    assert shell.find_entry_point(script).insert_at == len(script) - len(" m")
+    assert shell.find_entry_point(script).insert_at == len(script)
     # about 20 ms on an idle 2-core VM; the bound leaves room for a loaded machine
     assert fastest_ms(lambda: shell.find_entry_point(script)) < 100
 
@@ -295,5 +299,5 @@ def test_the_scan_is_linear(unit, monkeypatch):
     big = 16 * shell.MAX_SCRIPT_CHARS
     monkeypatch.setattr(shell, "MAX_SCRIPT_CHARS", big)
     script = unit * ((big - len(tail)) // len(unit)) + tail
-    assert shell.find_entry_point(script).insert_at == len(script) - len(" m")
+    assert shell.find_entry_point(script).insert_at == len(script)
     assert fastest_ms(lambda: shell.find_entry_point(script), repeat=2) < 2000

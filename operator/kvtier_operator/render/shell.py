@@ -1,7 +1,9 @@
 """Read a `sh -c` command line with certainty, or say why not.
 
-kvtier edits a shell script in one place only: right after the one entry point that
-starts vLLM, where it adds constant text (never a value from a CR). This module finds
+kvtier edits a shell script in one place only: at the end of the one top-level command
+that starts vLLM (after its last word: vLLM 0.32 wants the model as the first word after
+`serve` when --served-model-name is given), where it adds constant text (never a value
+from a CR). This module finds
 that place, and refuses, with the reason, whenever it cannot be certain how the shell
 will read the script up to there: a script it cannot fully parse (heredocs, backticks,
 subshells, `case`, arithmetic, an unterminated quote), no entry point at the start of a
@@ -162,7 +164,9 @@ class _Scanner:
         module = next((words[k + j] for j in range(end + 1)
                        if texts[j] in (SERVER_MODULE, CLI_MODULE)), None)
         mention = module[0] if module is not None else words[k][1] - len("vllm")
-        self.candidates.append((mention, words[k + end][1]))
+        # Options go after the command's last word, as in exec form: vLLM 0.32 refuses a
+        # flag before the positional model when --served-model-name is given.
+        self.candidates.append((mention, words[-1][1]))
 
     def scan(self) -> None:
         s = self.s
@@ -313,9 +317,9 @@ class _Scanner:
 
 
 def find_entry_point(script: str) -> EntryPointSearch:
-    """Where options for vLLM may be added to script: right after the one entry point at
-    the start of a top-level command, when the whole script is understood and mentions no
-    other entry point outside comments."""
+    """Where options for vLLM may be added to script: after the last word of the one
+    top-level command that starts with vLLM's entry point, when the whole script is
+    understood and mentions no other entry point outside comments."""
     if len(script) > MAX_SCRIPT_CHARS:
         return EntryPointSearch(None, f"the script is {len(script)} characters, more than "
                                       f"the {MAX_SCRIPT_CHARS} kvtier reads")
