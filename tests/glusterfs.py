@@ -84,6 +84,7 @@ def gluster_volume(base: Path, size_mib: int = 256, mounts: int = 2,
     ext4 image under base, mount it `mounts` times; undo all of it on exit."""
     reason = unavailable_reason()
     if reason:
+        shutil.rmtree(base, ignore_errors=True)  # the caller's scratch directory
         raise GlusterUnavailable(reason)
     name = name or f"kvtier{os.getpid()}"
     base.mkdir(parents=True, exist_ok=True)
