@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds docs bench images clean
+.PHONY: demo test lint crds docs bench images clean glusterfs-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,16 @@ lint: $(STAMP_DEV)
 $(HELM): scripts/install-helm.sh
 	bash scripts/install-helm.sh $(HELM)
 
+# The GlusterFS tests and benchmarks need Debian's glusterfs-server/-client: installed
+# here when missing and we are root with apt-get; otherwise those tests skip and say why.
+glusterfs-packages:
+	@command -v glusterd >/dev/null && command -v mount.glusterfs >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq glusterfs-server glusterfs-client \
+	  >/dev/null; } || echo "make: no GlusterFS packages; the glusterfs tests will skip" >&2
+
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
-test: $(STAMP_DEV) $(HELM)
+test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	$(BIN)/ruff check .
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
@@ -57,7 +65,7 @@ images:
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .
 	docker build -f sidecar/Dockerfile -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
 
-bench: $(STAMP_DEV)
+bench: $(STAMP_DEV) glusterfs-packages
 	$(BIN)/python -m benchmarks
 
 clean:

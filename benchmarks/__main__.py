@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 
-BENCHES = ["store", "floor", "tier", "evictor", "operator", "webhook", "gpu"]
+BENCHES = ["store", "floor", "tier", "evictor", "netfs_ops", "operator", "webhook", "gpu"]
 
 
 def machine() -> str:

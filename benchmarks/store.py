@@ -23,6 +23,9 @@ TOTAL = int(os.environ.get("KVTIER_BENCH_STORE_BYTES", str(2 << 30)))
 THREADS = int(os.environ.get("KVTIER_BENCH_THREADS", "16"))
 BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20)
 ARENA_ROWS = 64
+# GlusterFS (FUSE over TCP loopback): every open/rename/stat a round trip; smaller runs.
+GLUSTER_TOTAL = int(os.environ.get("KVTIER_BENCH_GLUSTER_BYTES", str(512 << 20)))
+GLUSTER_BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20, 64 << 20)  # 64 MiB: 32B model, 256 tok
 
 
 def drop_caches() -> None:
@@ -53,7 +56,7 @@ def vllm_fs(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, flo
     direct = io.probe_o_direct(root)
     view = memoryview(arena)
     paths = vllm_paths(root, keys(n, "vllm"))
-    offsets = [(i % ARENA_ROWS) * block for i in range(n)]
+    offsets = [(i % (len(arena) // block)) * block for i in range(n)]
     batches = [list(range(t, n, THREADS)) for t in range(THREADS)]
 
     def run(fn: Callable[..., None]) -> float:
@@ -74,9 +77,10 @@ def kvtier(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, floa
     store = BlockStore(StoreConfig(root=root, fingerprint="0123456789abcdef", read_threads=half,
                                    write_threads=THREADS - half, write_queue_seconds=3600))
     try:
-        rows = [memoryview(arena)[i * block:(i + 1) * block] for i in range(ARENA_ROWS)]
+        rows = [memoryview(arena)[i * block:(i + 1) * block]
+                for i in range(len(arena) // block)]
         ks = keys(n, "kvtier")
-        items = [(k, rows[i % ARENA_ROWS]) for i, k in enumerate(ks)]
+        items = [(k, rows[i % len(rows)]) for i, k in enumerate(ks)]
         start = time.perf_counter()
         store.store(1, items)
         store.drain()
@@ -166,23 +170,39 @@ def on_disk_and_in_ram(compare: Callable[[str, str], None], prefix: str) -> None
             shutil.rmtree(ram, ignore_errors=True)
 
 
-def compare(base: str, label: str) -> None:
+def on_glusterfs(compare: Callable[[str, str], None], prefix: str, size_mib: int) -> None:
+    """compare(directory, label) on a throwaway one-brick GlusterFS volume (tests/glusterfs:
+    glusterd, a loop ext4 brick, a FUSE client mount), where one can be started here."""
+    from pathlib import Path
+
+    from tests.glusterfs import GlusterUnavailable, gluster_volume
+
+    try:
+        with gluster_volume(Path(tempfile.mkdtemp(prefix=prefix)), size_mib=size_mib,
+                            mounts=1) as vol:
+            compare(str(vol.mounts[0]), "GlusterFS (one brick, FUSE over TCP loopback)")
+    except GlusterUnavailable as err:
+        print(f"\n### GlusterFS: skipped ({err})")
+
+
+def compare(base: str, label: str, total: int = TOTAL,
+            sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     """Alternate vLLM and kvtier for ROUNDS rounds per block size, swapping who goes first;
     medians (the VM disks these run on swing by 2-5x between minutes, so single runs
     mislead)."""
     print(f"\n### {label}: {base}, O_DIRECT {'yes' if probe_o_direct(base) else 'no'}, "
-          f"{TOTAL >> 20} MiB per run, {THREADS} threads, median of {ROUNDS} alternating rounds")
-    raw = [raw_device(base, TOTAL) for _ in range(ROUNDS)]
+          f"{total >> 20} MiB per run, {THREADS} threads, median of {ROUNDS} alternating rounds")
+    raw = [raw_device(base, total) for _ in range(ROUNDS)]
     os.unlink(os.path.join(base, "raw.bin"))
     raw_w, raw_r = median([w for w, _ in raw]), median([r for _, r in raw])
     print(f"raw (one O_DIRECT stream): write {raw_w:.2f} GB/s, read {raw_r:.2f} GB/s\n")
     print("| block | vLLM fs store | kvtier store | ratio | vLLM fs load | kvtier load | ratio |"
           " kvtier/raw store | kvtier/raw load | store ratio by round | load ratio by round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for block in BLOCK_SIZES:
-        n = max(TOTAL // block, 1)
-        arena = mmap.mmap(-1, ARENA_ROWS * block)
-        arena[:] = os.urandom(ARENA_ROWS * block)
+    for block in sizes:
+        n = max(total // block, 1)
+        arena = mmap.mmap(-1, min(ARENA_ROWS, n) * block)
+        arena[:] = os.urandom(len(arena))
 
         def run(name: str, block: int = block, n: int = n, arena: mmap.mmap = arena) -> (
                 tuple[float, float]):
@@ -198,5 +218,11 @@ def compare(base: str, label: str) -> None:
               f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} | {ranges}")
 
 
+def compare_glusterfs(base: str, label: str) -> None:
+    compare(base, label, GLUSTER_TOTAL, GLUSTER_BLOCK_SIZES)
+
+
 def main() -> None:
     on_disk_and_in_ram(compare, "kvtier-bench-store-")
+    on_glusterfs(compare_glusterfs, "kvtier-bench-store-gluster-",
+                 size_mib=3 * (GLUSTER_TOTAL >> 20) + 256)
