@@ -290,6 +290,11 @@ class CpuTier(ApiModel):
 # ----------------------------------------------------------------- storage
 
 
+ONCE_POD_ALONE = ("spec.storage.pvc.accessModes: ReadWriteOncePod cannot be combined with "
+                  "other access modes (Kubernetes refuses such a claim); use ReadWriteMany to "
+                  "share the tier")
+
+
 class ClaimTemplate(ApiModel):
     size: Quantity = Field(description="Requested capacity of the new PVC, e.g. 9000Gi.")
     storage_class_name: checked(rules.STORAGE_CLASS_NAME) | None = Field(
@@ -301,10 +306,19 @@ class ClaimTemplate(ApiModel):
         Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]
     ] = Field(
         default_factory=lambda: ["ReadWriteMany"],
-        json_schema_extra={"default": ["ReadWriteMany"]},
+        json_schema_extra={"default": ["ReadWriteMany"], "x-kubernetes-validations": [
+            {"rule": "size(self) == 1 || !self.exists(m, m == 'ReadWriteOncePod')",
+             "message": ONCE_POD_ALONE}]},
         min_length=1,
         description="Access modes of the new PVC. ReadWriteMany lets every replica share it.",
     )
+
+    @field_validator("access_modes")
+    @classmethod
+    def _once_pod_alone(cls, value: list[str]) -> list[str]:
+        if "ReadWriteOncePod" in value and len(value) > 1:
+            raise ValueError(ONCE_POD_ALONE.split(": ", 1)[1])
+        return value
     delete_policy: DeletePolicy = Field(
         default=DeletePolicy.Retain,
         description="Retain keeps the PVC and its cached KV when the TieredPrefixCache is "
@@ -347,7 +361,7 @@ class StorageTier(ApiModel):
         default=None,
         description="Use this existing PVC (never modified or deleted by kvtier).",
     )
-    mount_path: checked(rules.MOUNT_PATH, rules.MOUNT_PATH_NOT_SYSTEM) = Field(
+    mount_path: checked(rules.MOUNT_PATH, rules.MOUNT_PATH_PLACE) = Field(
         default="/mnt/files-storage",
         description="Where the volume is mounted in the model-server container.",
     )
@@ -447,6 +461,7 @@ class Eviction(ApiModel):
     fs_group: int | None = Field(
         default=None,
         ge=0,
+        le=2147483647,  # Kubernetes' largest group id
         description="fsGroup of the evictor pod, so it may delete files the model servers "
         "wrote (match the model servers' group).",
     )

@@ -117,19 +117,18 @@ MODEL_NAME = Rule("^[A-Za-z0-9_./][-A-Za-z0-9_./:@+]*$", 256,
                   "must be a model name as vLLM serves it (e.g. Qwen/Qwen3-32B): letters, "
                   "digits and . _ / : @ + -, starting with a letter, digit, '.', '_' or '/'")
 
-# Mount points that would shadow the container's own system directories.
-SYSTEM_PATHS = (
-    "/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/root",
-    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
-)
+# The shared volume gets a directory of its own under one of these: anywhere else it could
+# shadow what the model server's image keeps there (its code, working directory, site
+# packages, system files), and whoever can write the volume could plant files in it.
+MOUNT_PATH_ROOTS = ("/mnt", "/data", "/cache", "/scratch")
 _SEGMENT = "([-A-Za-z0-9_]|[.][-A-Za-z0-9_]|[.][.][-A-Za-z0-9_.])[-A-Za-z0-9_.]*"
 MOUNT_PATH = Rule(
     f"^(/|(/{_SEGMENT})+)$", 512,
     "must be an absolute, normalised path of letters, digits, '.', '_', '-' and '/' (no "
     "'//', '.' or '..' segment, trailing '/', space, quote, '$' or other shell character), "
     "e.g. /mnt/files-storage")
-_SYSTEM = "|".join(p.lstrip("/") for p in SYSTEM_PATHS if p != "/")
-MOUNT_PATH_NOT_SYSTEM = Rule(
-    f"^/(({_SYSTEM})(/.*)?)?$", 512,
-    "would shadow one of the container's system directories (" + ", ".join(SYSTEM_PATHS)
-    + "); use a path of its own such as /mnt/files-storage", refuse_match=True)
+MOUNT_PATH_PLACE = Rule(
+    "^/(" + "|".join(r.lstrip("/") for r in MOUNT_PATH_ROOTS) + ")/.+$", 512,
+    "would shadow what the model server's image keeps there (its code, working directory "
+    "or system files): use a directory of its own under " + ", ".join(
+        r + "/" for r in MOUNT_PATH_ROOTS) + " such as /mnt/files-storage")

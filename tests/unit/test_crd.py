@@ -138,7 +138,7 @@ def _schema_defaults(doc: dict) -> dict:
 def test_cel_rules_exist_for_cross_field_checks():
     found = _rules(openapi_schema())
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
-    assert len(cross_field) == 8  # + stagingSize only without a CPU tier
+    assert len(cross_field) == 9  # + stagingSize without a CPU tier, ReadWriteOncePod alone
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
@@ -161,7 +161,7 @@ def test_cel_rules_accept_the_examples():
         ({"storage": {"existingClaim": "x"}}, "exactly one of pvc"),
         ({"storage": {"mountPath": "relative"}}, "must be an absolute, normalised path"),
         ({"storage": {"mountPath": "//etc"}}, "must be an absolute, normalised path"),
-        ({"storage": {"mountPath": "/etc"}}, "would shadow one of the container's system"),
+        ({"storage": {"mountPath": "/etc"}}, "would shadow what the model server's image keeps"),
         ({"selector": {"matchLabels": None}}, "must select something"),
         ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),

@@ -49,7 +49,15 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         "/mnt/x;rm -rf /", "/mnt/x && id", "/mnt/a'b", '/mnt/a"b', "/mnt/a b", "/mnt/a\nb",
         "/mnt/a\tb", "/mnt/${IFS}", "/mnt/a|b", "/mnt/a<b", "/mnt/a>b", "/mnt/a\\b",
         "/mnt/\u00e9", "/mnt/./x", "/mnt/../etc", "/mnt/x/", "relative", "", "/", "/etc",
-        "/dev/shm", "/proc/1", "/usr/../dev", "/mnt/" + "x" * 600]],
+        "/dev/shm", "/proc/1", "/usr/../dev", "/mnt/" + "x" * 600,
+        # the image's own code and working directories (review finding F5)
+        "/vllm-workspace", "/opt/venv", "/app", "/models", "/opt/kvtier/site/x", "/mnt",
+        "/home/u/.local/lib/python3.12/site-packages"]],
+    # objects Kubernetes would refuse (review finding F6)
+    ("fsGroup past int32", eviction(fsGroup=3000000000), "spec.eviction.fsGroup"),
+    ("ReadWriteOncePod with another mode",
+     storage(pvc={"size": "1Ti", "accessModes": ["ReadWriteOncePod", "ReadWriteMany"]}),
+     "spec.storage.pvc.accessModes"),
     # D9: names Kubernetes would refuse later
     *[(f"containerName {v!r}", spec({"containerName": v}), "spec.containerName")
       for v in ["VLLM", "vllm;id", "-vllm", "vllm_0", "a" * 64, ""]],
@@ -226,7 +234,7 @@ def test_a_selector_map_key_is_refused_by_the_webhook_and_render(tmp_path, capsy
 
 
 @pytest.mark.parametrize("doc", [
-    storage(mountPath="/mnt/kv-cache_1/.hidden/v2.0"), storage(mountPath="/data"),
+    storage(mountPath="/mnt/kv-cache_1/.hidden/v2.0"), storage(mountPath="/data/kv"),
     spec({"containerName": "vllm-0"}), spec({"model": {"name": "meta-llama/Llama-3.3-70B"}}),
     spec({"model": {"name": "/models/qwen3:32b@main"}}),
     storage(pvc={"size": "1Ti", "storageClassName": "lustre.fsx-sc"}),

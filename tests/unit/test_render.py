@@ -83,11 +83,11 @@ def test_native_cpu_only():
 
 def test_native_cpu_plus_vllm_fs():
     t = tpc({"storage": {"backend": "vllm-fs", "readThreads": 8, "writeThreads": 4,
-                         "blockSize": 512, "mountPath": "/cache"}})
+                         "blockSize": 512, "mountPath": "/cache/kv"}})
     extra = kv_transfer_config(t)["kv_connector_extra_config"]
     assert extra == {
         "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 100 * GIB, "block_size": 512,
-        "secondary_tiers": [{"type": "fs", "root_dir": "/cache", "n_read_threads": 8,
+        "secondary_tiers": [{"type": "fs", "root_dir": "/cache/kv", "n_read_threads": 8,
                              "n_write_threads": 4}],
     }
 
