@@ -221,11 +221,21 @@ class _KeyRule:
     allowed: set[str] | None = None  # one of these values (None: any value)
     forbidden: set[str] = field(default_factory=set)  # none of these values
 
+    def add(self, present: bool = False, absent: bool = False,
+            allowed: set[str] | None = None, forbidden: set[str] | None = None) -> None:
+        """Demand this too (in place: linear in the selector's size, however many
+        requirements name the same key)."""
+        self.present |= present
+        self.absent |= absent
+        if allowed is not None:
+            self.allowed = set(allowed) if self.allowed is None else self.allowed & allowed
+        if forbidden:
+            self.forbidden |= forbidden
+
     def both(self, other: _KeyRule) -> _KeyRule:
-        allowed = (other.allowed if self.allowed is None else self.allowed
-                   if other.allowed is None else self.allowed & other.allowed)
-        return _KeyRule(self.present or other.present, self.absent or other.absent, allowed,
-                        self.forbidden | other.forbidden)
+        rule = _KeyRule(self.present, self.absent, self.allowed, set(self.forbidden))
+        rule.add(other.present, other.absent, other.allowed, other.forbidden)
+        return rule
 
     def satisfiable(self) -> bool:
         if self.present and self.absent:
@@ -235,27 +245,40 @@ class _KeyRule:
         return self.allowed is None or bool(self.allowed - self.forbidden)
 
 
-def _rules(sel: LabelSelector) -> dict[str, _KeyRule]:
-    rules: dict[str, _KeyRule] = {}
+SelectorRules = dict[str, _KeyRule]
+
+
+def selector_rules(sel: LabelSelector) -> SelectorRules:
+    """What `sel` demands, key by key."""
+    rules: SelectorRules = {}
     for key, value in (sel.match_labels or {}).items():
-        rules[key] = rules.get(key, _KeyRule()).both(_KeyRule(present=True, allowed={value}))
+        rules.setdefault(key, _KeyRule()).add(present=True, allowed={value})
     for req in sel.match_expressions or []:
+        rule = rules.setdefault(req.key, _KeyRule())
         values = set(req.values or [])
-        rule = {"In": _KeyRule(present=True, allowed=values),
-                "NotIn": _KeyRule(forbidden=values),
-                "Exists": _KeyRule(present=True),
-                "DoesNotExist": _KeyRule(absent=True)}[req.operator]
-        rules[req.key] = rules.get(req.key, _KeyRule()).both(rule)
+        if req.operator == "In":
+            rule.add(present=True, allowed=values)
+        elif req.operator == "NotIn":
+            rule.add(forbidden=values)
+        elif req.operator == "Exists":
+            rule.add(present=True)
+        else:
+            rule.add(absent=True)
     return rules
+
+
+def rules_may_overlap(ra: SelectorRules, rb: SelectorRules) -> bool:
+    """Whether some set of pod labels satisfies both selectors' rules. Only keys both
+    name can conflict (a selector alone is satisfiable): cost bounded by the smaller one,
+    plus the set operations on its values."""
+    if len(rb) < len(ra):
+        ra, rb = rb, ra
+    return all(ra[key].both(rb[key]).satisfiable() for key in ra if key in rb)
 
 
 def selectors_may_overlap(a: LabelSelector, b: LabelSelector) -> bool:
     """Whether some set of pod labels satisfies both selectors."""
-    ra, rb = _rules(a), _rules(b)
-    for key in set(ra) | set(rb):
-        if not ra.get(key, _KeyRule()).both(rb.get(key, _KeyRule())).satisfiable():
-            return False
-    return True
+    return rules_may_overlap(selector_rules(a), selector_rules(b))
 
 
 def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, Any]:
@@ -274,9 +297,10 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
     except InvalidResource as err:
         return _response(uid, allowed=False, code=422,
                          message=f"{KIND} {err.name} is invalid: " + "; ".join(err.messages))
+    mine = selector_rules(tpc.spec.selector)
     others = [t for t in caches.in_namespace(tpc.namespace) if t.name != tpc.name]
     overlapping = [t.name for t in others
-                   if selectors_may_overlap(tpc.spec.selector, t.spec.selector)]
+                   if rules_may_overlap(mine, selector_rules(t.spec.selector))]
     if overlapping:
         return _response(uid, allowed=False, code=422, message=(
             f"spec.selector may select the same pods as {', '.join(overlapping)} in namespace "

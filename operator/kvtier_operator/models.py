@@ -129,6 +129,12 @@ class CapacitySource(StrEnum):
 # ---------------------------------------------------------------- selector
 
 
+# A selector names a handful of labels; these bounds keep the webhook's overlap check
+# (every other cache in the namespace) and the CRD's rule costs small.
+MAX_SELECTOR_TERMS = 32
+MAX_SELECTOR_VALUES = 64
+
+
 class LabelSelectorRequirement(ApiModel):
     key: LabelKey = Field(description="Label key the requirement applies to.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
@@ -136,6 +142,7 @@ class LabelSelectorRequirement(ApiModel):
     )
     values: list[LabelValue] | None = Field(
         default=None,
+        max_length=MAX_SELECTOR_VALUES,
         description="Values for In and NotIn; must be empty for Exists and DoesNotExist.",
     )
 
@@ -162,10 +169,12 @@ class LabelSelector(ApiModel):
         }
     )
     match_labels: dict[MapLabelKey, LabelValue] | None = Field(
-        default=None, description="Pods whose labels contain all of these key/value pairs."
+        default=None, max_length=MAX_SELECTOR_TERMS,
+        description="Pods whose labels contain all of these key/value pairs."
     )
     match_expressions: list[LabelSelectorRequirement] | None = Field(
-        default=None, description="Set-based label requirements; all must hold."
+        default=None, max_length=MAX_SELECTOR_TERMS,
+        description="Set-based label requirements; all must hold."
     )
 
     @model_validator(mode="after")

@@ -34,3 +34,33 @@ def sel(labels=None, *exprs):
 def test_overlap(a, b, overlap):
     assert selectors_may_overlap(a, b) is overlap
     assert selectors_may_overlap(b, a) is overlap
+
+
+def test_a_selector_is_bounded_in_size():
+    from kvtier_operator.models import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
+
+    too_many = [("k", "NotIn", [f"v{i}"]) for i in range(MAX_SELECTOR_TERMS + 1)]
+    with pytest.raises(ValueError, match="at most"):
+        sel(None, *too_many)
+    with pytest.raises(ValueError, match="at most"):
+        sel(None, ("k", "NotIn", [f"v{i}" for i in range(MAX_SELECTOR_VALUES + 1)]))
+
+
+def test_the_overlap_check_stays_cheap_at_its_bounds():
+    """The largest selectors the model allows, all on one key, against many other caches:
+    building the rules is linear (a review found NotIn sets rebuilt per expression)."""
+    import time
+
+    from kvtier_operator.admission import rules_may_overlap, selector_rules
+    from kvtier_operator.models import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
+
+    big = sel(None, *[("k", "NotIn", [f"v{t}-{i}" for i in range(MAX_SELECTOR_VALUES)])
+                      for t in range(MAX_SELECTOR_TERMS)])
+    others = [sel(None, ("k", "In", [f"x{j}"])) for j in range(100)]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        mine = selector_rules(big)
+        assert all(rules_may_overlap(mine, selector_rules(o)) for o in others)
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.05, f"{best * 1000:.1f} ms"
