@@ -61,11 +61,15 @@ crds: $(STAMP_OPERATOR)
 docs: $(STAMP_OPERATOR)
 	$(BIN)/python -m kvtier_operator.docgen docs/reference.md
 
+# The offload image carries the C extension for both (GH200/GB200 nodes are aarch64); a
+# multi-platform result needs buildx (and --push, or Docker's containerd image store).
+OFFLOAD_PLATFORMS ?= linux/amd64,linux/arm64
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 images:
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .
-	docker build -f sidecar/Dockerfile -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
+	docker buildx build --platform $(OFFLOAD_PLATFORMS) -f sidecar/Dockerfile \
+	  -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
 
 bench: $(STAMP_DEV)
 	$(BIN)/python -m benchmarks
