@@ -16,6 +16,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "xxh3_dispatch.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -45,6 +47,29 @@
 enum { DONE = 0, NOT_DONE = 1, EXISTS = 2 };
 
 static uint32_t crc_table[256];
+
+/* XXH3 of this file's (baseline) build, replaced at import by a wider one the CPU has */
+static uint64_t base_hash(const void *data, size_t len)
+{
+    return XXH3_64bits(data, len);
+}
+
+static int base_reset(void *state)
+{
+    return XXH3_64bits_reset(state) == XXH_OK;
+}
+
+static int base_update(void *state, const void *data, size_t len)
+{
+    return XXH3_64bits_update(state, data, len) == XXH_OK;
+}
+
+static uint64_t base_digest(const void *state)
+{
+    return XXH3_64bits_digest(state);
+}
+
+static kvtier_xxh3 xxh3 = {"baseline", base_hash, base_reset, base_update, base_digest};
 
 static void crc_init(void)
 {
@@ -201,7 +226,7 @@ static int in_pieces(int fd, unsigned char *header, unsigned char *payload, size
 {
     XXH3_state_t state;
     XXH3_INITSTATE(&state);
-    if (XXH3_64bits_reset(&state) != XXH_OK)
+    if (!xxh3.reset(&state))
         return 0;
     if (!write && !header_and_payload(fd, header, payload, piece < size ? piece : size, 0))
         return 0;
@@ -210,13 +235,13 @@ static int in_pieces(int fd, unsigned char *header, unsigned char *payload, size
         if (!write && done
             && !transfer(fd, payload + done, n, (off_t)(HEADER_SIZE + done), 0))
             return 0;
-        if (XXH3_64bits_update(&state, payload + done, n) != XXH_OK)
+        if (!xxh3.update(&state, payload + done, n))
             return 0;
         if (write && !transfer(fd, payload + done, n, (off_t)(HEADER_SIZE + done), 1))
             return 0;
         done += n;
     }
-    *digest = XXH3_64bits_digest(&state);
+    *digest = xxh3.digest(&state);
     if (write) {
         put_le(header + DIGEST_OFFSET, *digest, 8);
         return transfer(fd, header, HEADER_SIZE, 0, 1);
@@ -271,7 +296,7 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
     } else {
         whole = header_and_payload(fd, header, payload, size, 0);
         if (whole)
-            digest = XXH3_64bits(payload, size);
+            digest = xxh3.hash(payload, size);
     }
     close(fd); /* read-only: nothing to lose on a failed close */
     if (!whole)
@@ -304,7 +329,7 @@ static int64_t write_one(const Batch *b, Py_ssize_t i, char *final, char *temp)
     header_into(header, &b->names, i, size);
     int pieces = b->piece > 0 && b->piece < size;
     if (!pieces)
-        put_le(header + DIGEST_OFFSET, XXH3_64bits(payload, size), 8);
+        put_le(header + DIGEST_OFFSET, xxh3.hash(payload, size), 8);
     path_into(temp, &b->names, i, 1);
     int fd = open(temp, b->flags, 0664);
     if (fd < 0)
@@ -601,10 +626,10 @@ static PyObject *digest(PyObject *self, PyObject *arg)
     XXH64_hash_t h;
     if (view.len >= (1 << 16)) {
         Py_BEGIN_ALLOW_THREADS
-        h = XXH3_64bits(view.buf, (size_t)view.len);
+        h = xxh3.hash(view.buf, (size_t)view.len);
         Py_END_ALLOW_THREADS
     } else {
-        h = XXH3_64bits(view.buf, (size_t)view.len);
+        h = xxh3.hash(view.buf, (size_t)view.len);
     }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
@@ -642,6 +667,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void)
 {
     crc_init();
+    kvtier_xxh3_avx2(&xxh3);
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
@@ -657,6 +683,7 @@ PyMODINIT_FUNC PyInit__native(void)
         || PyModule_AddIntConstant(m, "NOT_DONE", NOT_DONE)
         || PyModule_AddIntConstant(m, "EXISTS", EXISTS)
         || PyModule_AddIntConstant(m, "XXHASH_VERSION", XXH_versionNumber())
+        || PyModule_AddStringConstant(m, "XXH3_BUILD", xxh3.name)
         || PyModule_AddStringConstant(m, "SUFFIX", SUFFIX)
         || PyModule_AddStringConstant(m, "TEMP_SUFFIX", TEMP_SUFFIX)) {
         Py_DECREF(m);
