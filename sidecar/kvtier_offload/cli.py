@@ -13,6 +13,40 @@ PACKAGE = Path(__file__).resolve().parent
 # What must import for the backend to work inside vLLM (vllm_tier itself needs vLLM,
 # which the init container's image does not have).
 CHECK_IMPORTS = "import kvtier_offload.store, kvtier_offload.layout, kvtier_offload.fileformat"
+NATIVE = "_native.abi3.so"  # the C extension (stable ABI: any CPython >= 3.11)
+# ELF e_machine of the platforms the image carries the extension for
+ELF_MACHINES = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183}
+
+
+def _elf_machine(path: Path) -> int | None:
+    """The e_machine of a 64-bit little-endian ELF file, else None."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return None
+    return int.from_bytes(head[18:20], "little")
+
+
+def native_misfit(package: Path, env: dict[str, str]) -> str | None:
+    """Why the C extension in an installed package does not fit this node's platform and
+    Python (None: it fits, or there is none to check)."""
+    import platform
+
+    so = package / NATIVE
+    if not so.exists():
+        return None
+    machine = platform.machine().lower()
+    want, got = ELF_MACHINES.get(machine), _elf_machine(so)
+    if want is None or got != want:
+        return (f"it is built for ELF machine {got}, this node is {machine or 'unknown'} "
+                f"(ELF machine {want})")
+    if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
+        return f"it needs CPython 3.11 or newer, not {sys.implementation.name} {sys.version}"
+    check = subprocess.run([sys.executable, "-c", "import kvtier_offload._native"], env=env,
+                           cwd="/", capture_output=True, text=True, check=False)
+    if check.returncode != 0:
+        return "it does not load: " + (check.stderr.strip().splitlines() or ["?"])[-1]
+    return None
 
 
 def install(target: str) -> int:
@@ -26,6 +60,16 @@ def install(target: str) -> int:
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     env = {**os.environ, "PYTHONPATH": str(dest_root), "PYTHONDONTWRITEBYTECODE": "1"}
+    misfit = native_misfit(final, env)
+    if misfit:
+        # Never a broken vLLM: without the extension the backend runs its Python path
+        # (and says so at start: the kvtier_offload_native gauge, one log line).
+        (final / NATIVE).unlink()
+        print(f"kvtier_offload: refusing its C extension ({misfit}); removed it, vLLM "
+              "will run the backend's Python path (slower, same files)", file=sys.stderr)
+    elif not (final / NATIVE).exists():
+        print("kvtier_offload: no C extension in this image; vLLM will run the backend's "
+              "Python path (slower, same files)", file=sys.stderr)
     check = subprocess.run([sys.executable, "-c", CHECK_IMPORTS], env=env, cwd="/",
                            capture_output=True, text=True, check=False)
     if check.returncode != 0:

@@ -9,10 +9,11 @@ header in before it has hashed the payload and patch only the digest afterwards 
 damaged digest field fails the payload check instead). A load trusts nothing it has not
 checked: magic, version, fingerprint, key, length, header checksum and payload digest.
 
-The payload digest is kvtier's own 64-bit lane hash (digest.py; version 1 used crc32,
-version 2 BLAKE3): vectorised, compiled with the GIL released so I/O threads hash in
-parallel, about 5x faster than BLAKE3, and it catches any corruption, reordering or stale
-page with probability 1 - 2^-64.
+The payload digest is XXH3-64, seed 0 (digest.py), so any xxHash tool can verify a block
+(versions: 1 crc32, 2 BLAKE3, 3 kvtier's own lane hash, 4 XXH3-64). A file of another
+version is a miss, never an error: the fingerprint (layout.fingerprint) includes the
+version, so each version has its own directory, and a stray file of another version at a
+block's name fails the version check. docs/file-format.md describes the whole format.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import struct
 import zlib
 
 MAGIC = b"KVTB"
-VERSION = 3
+VERSION = 4
 HEADER_SIZE = 4096
 _FIXED = struct.Struct("<4sHH8sQQH")
 _PREFIX = struct.Struct("<4sHH8s")  # the fields every block of one configuration shares

@@ -84,7 +84,7 @@ class Layout:
             raise ValueError(f"a block key must be {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, "
                              f"not {len(key) if isinstance(key, bytes) else type(key).__name__}")
         h = key.hex()
-        # os.path.join is slower; batchio builds the same names in machine code
+        # os.path.join is slower; the C extension builds the same names
         return f"{self.base}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
 
     def temp_path(self, key: bytes, token: str = "") -> str:

@@ -50,6 +50,10 @@ DEFINITIONS = {d.name: d for d in (
     Definition("Counter", "kvtier_offload_dropped_writes",
                "Stores dropped, never written or reported stored", ("reason",)),
     Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", ("error",)),
+    Definition("Gauge", "kvtier_offload_native",
+               "1 where the block store runs its C extension, 0 on the Python path; reason: "
+               "ok, turned-off, not-built, wrong-build, batch-io-off or no-digest",
+               ("reason",)),
     Definition("Gauge", "kvtier_offload_queue_depth",
                "Block operations submitted and not yet finished", ("direction",)),
 )}
@@ -215,6 +219,7 @@ class Metrics:
         self.dropped = get("kvtier_offload_dropped_writes")
         self.failed = get("kvtier_offload_failed_writes")
         self.queue_depth = get("kvtier_offload_queue_depth")
+        self.native = get("kvtier_offload_native")
         # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
         self.store_ok = self.operations.labels("store", "ok")
         self.load_ok = self.operations.labels("load", "ok")

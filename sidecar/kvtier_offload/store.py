@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier_offload import batchio
+from kvtier_offload import batchio, native
 from kvtier_offload import digest as payload_digest
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import (
@@ -63,6 +63,18 @@ PIECE = 512 << 10  # larger blocks move in pieces of this on memory-speed volume
 # job (a store waits at most write_queue_seconds to start), short enough that a thread
 # stuck on a hung mount does not hang its caller for good.
 WAIT_SECONDS = 120.0
+
+
+def hot_path(batch_io: bool) -> tuple[str, str]:
+    """Which path a store with this batch_io setting runs: ("ok", "") for the C
+    extension, else a short reason code (the native metric's label) and the reason."""
+    if not payload_digest.AVAILABLE:
+        return "no-digest", payload_digest.REASON
+    if not native.AVAILABLE:
+        return native.CODE, native.REASON
+    if not batch_io:
+        return "batch-io-off", "StoreConfig.batch_io is off"
+    return "ok", ""
 
 
 @dataclass
@@ -244,7 +256,7 @@ class _Buffers:
 
     def batchable(self, batch: range, direct: bool,
                   writes_into: bool = True) -> tuple[list[int], np.ndarray]:
-        """The blocks of batch the machine code may take (write into, for a load), and
+        """The blocks of batch the C extension may take (write into, for a load), and
         their addresses."""
         indices: list[int] = []
         addresses: list[int] = []
@@ -314,13 +326,13 @@ class BlockStore:
             log.warning("kvtier cannot create %s (%s); every store will fail and every "
                         "lookup miss until it can", self.layout.base, err)
         self.batch_io = config.batch_io and batchio.AVAILABLE
-        if not payload_digest.COMPILED:  # batch I/O needs it too: one warning says both
-            log.warning("kvtier: numba is not usable here (%s); block digests run in numpy "
-                        "and every block takes the Python path, several times slower",
-                        payload_digest.UNCOMPILED_REASON)
-        elif config.batch_io and not batchio.AVAILABLE:
-            log.warning("kvtier: batch I/O unavailable (%s); every block takes the Python "
-                        "path", batchio.UNAVAILABLE_REASON)
+        code, why = hot_path(config.batch_io)
+        if code == "ok":
+            log.info("kvtier block store: native path (C extension, XXH3-64)")
+        else:
+            log.warning("kvtier block store: Python path, digest by %s (%s)",
+                        payload_digest.BACKEND, why)
+        self.metrics.native.labels(code).set(1 if code == "ok" else 0)
         if config.o_direct == "auto":
             self.o_direct = probe_o_direct(self.layout.base)
         else:
@@ -427,7 +439,13 @@ class BlockStore:
     # -------------------------------------------------------------- lookup
 
     def _refused(self, key: object, direction: str) -> bool:
-        """Whether key is outside the layout (layout.key_fits): counted, logged once."""
+        """Whether key is outside the layout (layout.key_fits), or this process has no
+        digest to write or verify a block with: counted, logged once."""
+        if not payload_digest.AVAILABLE:
+            self.metrics.operations.labels(direction, "no-digest").inc()
+            self._log_once("no-digest", "kvtier has no block digest (%s); every block is a "
+                           "miss, vLLM recomputes", payload_digest.REASON)
+            return True
         if key_fits(key):
             return False
         self.metrics.operations.labels(direction, "bad-key").inc()
@@ -675,7 +693,7 @@ class BlockStore:
         for index in batch:
             key, size = keys[index], sources.size(index)
             batchable = index in at
-            # The batch checks for an existing file itself, in machine code.
+            # The batch checks for an existing file itself, in C.
             verdict = self._store_verdict(key, size, enqueued, start, look=not batchable)
             if verdict is not None:
                 self._store_settle(job, index, verdict, size, progress)

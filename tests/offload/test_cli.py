@@ -38,3 +38,38 @@ def test_probe_measures_and_judges(tmp_path, capsys):
     assert code == 0
     assert "store" in out and "GB/s" in out and "loading beats recomputing" in out
     assert os.listdir(tmp_path) == []  # the probe cleans up after itself
+
+
+def test_install_keeps_an_extension_that_fits_this_node(tmp_path, capsys):
+    from kvtier_offload import native
+
+    if not native.AVAILABLE:
+        import pytest
+
+        pytest.skip(native.REASON)
+    assert main(["install", "--target", str(tmp_path)]) == 0
+    assert (tmp_path / "kvtier_offload" / "_native.abi3.so").exists()
+    assert "refusing" not in capsys.readouterr().err
+
+
+def test_install_refuses_an_extension_of_another_platform_and_falls_back(tmp_path, capsys,
+                                                                         monkeypatch):
+    # An image built for the wrong architecture (an amd64 layer on a GH200 node, say): the
+    # extension is removed with a clear message, and the Python path still imports.
+    import shutil
+
+    from kvtier_offload import cli
+
+    package = tmp_path / "src" / "kvtier_offload"
+    shutil.copytree(cli.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    elf = bytearray(64)
+    elf[:6] = b"\x7fELF\x02\x01"
+    other = 183 if os.uname().machine == "x86_64" else 62
+    elf[18:20] = other.to_bytes(2, "little")
+    (package / "_native.abi3.so").write_bytes(bytes(elf))
+    monkeypatch.setattr(cli, "PACKAGE", package)
+    assert main(["install", "--target", str(tmp_path / "site")]) == 0
+    err = capsys.readouterr().err
+    assert f"refusing its C extension (it is built for ELF machine {other}" in err
+    assert "Python path" in err
+    assert not (tmp_path / "site" / "kvtier_offload" / "_native.abi3.so").exists()

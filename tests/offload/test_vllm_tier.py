@@ -227,11 +227,15 @@ def test_metrics_reach_the_api_server_through_vllms_stats(tier):
     assert value("kvtier_offload_latency_seconds_count", direction="store") == 3
     assert value("kvtier_offload_lookups_total", result="miss") == 1
     assert value("kvtier_offload_queue_depth", direction="load") == 0
+    from kvtier_offload.store import hot_path
+    code, _ = hot_path(True)
+    assert value("kvtier_offload_native", reason=code) == (1 if code == "ok" else 0)
 
     # Taken once: the next step carries only the gauges' current values.
     again = manager.get_stats()
     carried = {} if again is None else again.data.get("data", {})
-    assert not any(name.startswith("kvtier_offload_") and name != "kvtier_offload_queue_depth"
+    gauges = {"kvtier_offload_queue_depth", "kvtier_offload_native"}
+    assert not any(name.startswith("kvtier_offload_") and name not in gauges
                    for name in carried)
 
 
