@@ -13,7 +13,16 @@ from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import names
 from kvtier_operator.render.pod import config_hash
 from tests.helpers import tpc_doc
-from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
+from tests.integration.harness import (
+    CTX,
+    TPC,
+    condition,
+    obj,
+    operator,
+    reconciles,
+    setup,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"
@@ -122,10 +131,10 @@ async def test_drift_is_repaired_and_claims_never_shrink(kmock):
         await kmock.patch(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/cache-kv-cache",
                           json={"spec": {"resources": {"requests": {"storage": "2Ti"}}}},
                           headers={"Content-Type": "application/merge-patch+json"})
-        await asyncio.sleep(1.0)
-        assert pvc(kmock)["spec"]["resources"]["requests"]["storage"] == "2Ti"
         await until(lambda: "kvtier never shrinks a claim" in condition(
             tpc_obj(kmock), "StorageReady")["message"], what="note")
+        await reconciles(kmock)
+        assert pvc(kmock)["spec"]["resources"]["requests"]["storage"] == "2Ti"
 
 
 async def test_claim_grows_with_the_spec(kmock):
