@@ -374,3 +374,21 @@ async def test_webhook_conflicts_become_the_injected_condition(kmock):
     assert cond["status"] == "False"
     assert "pod decode-0: container 'vllm' already passes --kv-transfer-config" in cond["message"]
     assert condition(tpc_obj(kmock), "Ready")["reason"] == "Conflict"
+
+
+async def test_drift_loop_runs_from_startup_before_any_cache_event(kmock):
+    """The drift loop starts with the operator, not with the first handled resource: a
+    cache the registry knows is repaired even when no handler has run yet."""
+    from kvtier_operator import sandbox
+    from kvtier_operator.handlers import OperatorConfig
+
+    setup(kmock)
+    config = OperatorConfig(render=CTX, drift_interval=0.1)
+    config.caches.observe("ADDED", cache(name="known"))  # no such object on the server
+
+    def drift_reads():
+        return [r for r in list(kmock._requests) if r.method.upper() == "GET"
+                and str(r.url).endswith("/tieredprefixcaches/known")]
+
+    async with sandbox.operator(kmock, CTX, config=config):
+        await until(drift_reads, what="the drift loop reading the known cache")
