@@ -29,7 +29,7 @@ $(STAMP_DEV): pyproject.toml | $(BIN)/python
 	touch $@ $(STAMP_OPERATOR)
 
 demo: $(STAMP_OPERATOR)
-	$(BIN)/python -m kvtier_operator.demo
+	$(BIN)/python -m kvtier_demo
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
@@ -51,7 +51,7 @@ crds: $(STAMP_OPERATOR)
 docs: $(STAMP_OPERATOR)
 	$(BIN)/python -m kvtier_operator.docgen docs/reference.md
 
-VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/kvtier_operator/__init__.py)
 images:
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .

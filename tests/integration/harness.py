@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier_operator import sandbox
+from kvtier_demo import sandbox
+from kvtier_demo.sandbox import TPC, gateway_for, setup
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.sandbox import TPC, gateway_for, setup
 
 __all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "reconciles", "setup",
            "until"]

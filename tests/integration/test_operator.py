@@ -352,7 +352,7 @@ async def test_invalid_spec_becomes_a_condition(kmock):
 
 
 async def test_webhook_conflicts_become_the_injected_condition(kmock):
-    from kvtier_operator import sandbox
+    from kvtier_demo import sandbox
     from kvtier_operator.handlers import OperatorConfig
     from kvtier_operator.webhook import mutate_pod
 
@@ -379,7 +379,7 @@ async def test_webhook_conflicts_become_the_injected_condition(kmock):
 async def test_drift_loop_runs_from_startup_before_any_cache_event(kmock):
     """The drift loop starts with the operator, not with the first handled resource: a
     cache the registry knows is repaired even when no handler has run yet."""
-    from kvtier_operator import sandbox
+    from kvtier_demo import sandbox
     from kvtier_operator.handlers import OperatorConfig
 
     setup(kmock)
