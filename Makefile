@@ -33,6 +33,7 @@ demo: $(STAMP_OPERATOR)
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 $(HELM): scripts/install-helm.sh
 	bash scripts/install-helm.sh $(HELM)
@@ -40,6 +41,7 @@ $(HELM): scripts/install-helm.sh
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 test: $(STAMP_DEV) $(HELM)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
