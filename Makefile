@@ -39,10 +39,11 @@ $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
 	touch $@ $(STAMP_OPERATOR)
 
 demo: $(STAMP_OPERATOR)
-	$(BIN)/python -m kvtier_operator.demo
+	$(BIN)/python -m kvtier_demo
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 $(HELM): scripts/install-helm.sh
 	bash scripts/install-helm.sh $(HELM)
@@ -58,6 +59,7 @@ glusterfs-packages:
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
@@ -72,7 +74,7 @@ docs: $(STAMP_OPERATOR)
 # The offload image carries the C extension for both (GH200/GB200 nodes are aarch64); a
 # multi-platform result needs buildx (and --push, or Docker's containerd image store).
 OFFLOAD_PLATFORMS ?= linux/amd64,linux/arm64
-VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/kvtier_operator/__init__.py)
 images:
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kvtier_operator.certs import make_certs
+from kvtier_demo.certs import make_certs
 from tests.helpers import EXAMPLES
 
 REQUESTS, CONCURRENCY = 500, 20

@@ -1,10 +1,12 @@
 """The thin API gateway: every Kubernetes call the operator makes, through the official
 client, with plain dicts in and out.
 
-Objects are applied as create-then-merge-patch (idempotent, and it needs nothing from
-the server beyond CRUD). Conflicts and 429/5xx are retried here with backoff and then
-surface as RetryableError; any other 4xx is ApiRejected carrying the server's message,
-which the reconciler turns into a condition.
+Owned objects are applied as create, or a merge patch of the render plus the removal of
+every field kvtier wrote last time and renders no more (applied.py keeps that record on
+the object), so the object converges to the render while fields other parties own stay.
+This needs nothing from the server beyond CRUD and merge patch. Conflicts and 429/5xx
+are retried here with backoff and then surface as RetryableError; any other 4xx is
+ApiRejected carrying the server's message, which the reconciler turns into a condition.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from kvtier_operator import GROUP, PLURAL, VERSION
+from kvtier_operator import GROUP, PLURAL, VERSION, applied
 
 log = logging.getLogger("kvtier_operator")
 FIELD_MANAGER = "kvtier-operator"
@@ -141,21 +143,24 @@ class Gateway:
             raise
 
     def ensure(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Create obj, or merge-patch it where the live object differs from it.
+        """Make the live object match obj, the render: create it, or merge-patch obj in
+        and take out what kvtier applied last time and obj no longer has.
         Returns ("created" | "updated" | "unchanged", live object)."""
         meta = obj["metadata"]
         kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
+        desired, tree = applied.with_record(obj)
         live = self.get(kind, ns, name)
         if live is None:
             try:
-                return "created", self.create(obj)
+                return "created", self.create(desired)
             except ApiRejected as err:
                 if err.status != 409:
                     raise
                 live = self.get(kind, ns, name) or {}
-        if contains(live, obj):
+        gone = applied.removals(applied.recorded(live), tree, live)
+        if not gone and contains(live, desired):
             return "unchanged", live
-        return "updated", self.patch(kind, ns, name, obj)
+        return "updated", self.patch(kind, ns, name, applied.merge(desired, gone))
 
     # ---------------------------------------------------------------- reads
 

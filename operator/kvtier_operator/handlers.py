@@ -20,12 +20,13 @@ from typing import Any
 import kopf
 
 from kvtier_operator import GROUP, PLURAL, VERSION, metrics
+from kvtier_operator.cache_registry import CacheRegistry
+from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.reconcile import Outcome, reconcile
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.webhook import CacheRegistry, ConflictLog
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)
@@ -114,8 +115,6 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     async def handle(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str,
                      kvtier_pods: kopf.Index, kvtier_evictor_runs: kopf.Index,
                      **_: Any) -> None:
-        if state["drift"] is None:  # indexes reach resource handlers, not startup ones
-            state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs))
         try:
             outcome = await asyncio.to_thread(
                 run_reconcile, dict(body), gateway(), config, _flatten(kvtier_pods, namespace),
@@ -152,8 +151,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                     log.exception("drift repair of %s/%s failed", ns, name)
 
     @kopf.on.startup(registry=registry)
-    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, kvtier_pods: kopf.Index,
+                      kvtier_evictor_runs: kopf.Index, **_: Any) -> None:
         configure(settings)
+        # The indexes are live views: empty now, filled as the watches list and stream.
+        state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs),
+                                             name="kvtier-drift-loop")
 
     @kopf.on.cleanup(registry=registry)
     async def shutdown(**_: Any) -> None:
@@ -173,4 +176,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.INFO
+    # The server ends a watch after server_timeout; the client gives up on a silent one a
+    # little later (a half-open connection would otherwise hang the watch for ever), and
+    # on a connection that takes longer than connect_timeout to open.
     settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30

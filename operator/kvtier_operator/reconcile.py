@@ -93,23 +93,23 @@ def reconcile_storage(tpc: TieredPrefixCache, gw: Gateway,
             obs.condition = Cond("False", "ClaimRejected", _rejected(events, err))
             return obs
     elif desired is not None and live is not None:
-        want = quantity_bytes(desired["spec"]["resources"]["requests"]["storage"])
+        size: str = desired["spec"]["resources"]["requests"]["storage"]  # spec.storage.pvc.size
+        want = quantity_bytes(size)
         have_text = ((live.get("spec") or {}).get("resources") or {}).get(
             "requests", {}).get("storage", "0")
         have = quantity_bytes(have_text)
         if want > have:
             try:
                 live = gw.patch("PersistentVolumeClaim", tpc.namespace, claim, {
-                    "spec": {"resources": {"requests": {"storage": desired["spec"]["resources"][
-                        "requests"]["storage"]}}}})
+                    "spec": {"resources": {"requests": {"storage": size}}}})
                 events.append(("Normal", "Resized", f"asked to grow claim {claim} from "
-                                                    f"{have_text} to {storage.pvc.size}"))
+                                                    f"{have_text} to {size}"))
             except ApiRejected as err:
-                notes.append(f"cannot grow the claim to {storage.pvc.size}: {err.message} "
+                notes.append(f"cannot grow the claim to {size}: {err.message} "
                              "(does its StorageClass allow volume expansion?)")
                 events.append(("Warning", "ResizeRefused", str(err)))
         elif want < have:
-            notes.append(f"spec.storage.pvc.size {storage.pvc.size} is below the claim's "
+            notes.append(f"spec.storage.pvc.size {size} is below the claim's "
                          f"{have_text}; kvtier never shrinks a claim")
         refs = _claim_owner_refs(tpc, live)
         if refs is not None:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from cryptography import x509
 
+from kvtier_operator import __version__
 from tests.helpers import ROOT
 
 HELM = ROOT / ".tools" / "helm"
@@ -78,9 +79,9 @@ def test_operator_deployment_is_locked_down():
     sc = c["securityContext"]
     assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                   "capabilities": {"drop": ["ALL"]}}
-    assert c["image"] == "ghcr.io/kvtier/kvtier-operator:0.1.0"  # pinned to appVersion
+    assert c["image"] == f"ghcr.io/kvtier/kvtier-operator:{__version__}"  # appVersion
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["KVTIER_SIDECAR_IMAGE"] == "ghcr.io/kvtier/kvtier-offload:0.1.0"
+    assert env["KVTIER_SIDECAR_IMAGE"] == f"ghcr.io/kvtier/kvtier-offload:{__version__}"
     assert c["resources"]["limits"]["memory"]
     assert "--webhook-port=9443" in c["args"]
 

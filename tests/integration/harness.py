@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier_operator import sandbox
+from kvtier_demo import sandbox
+from kvtier_demo.sandbox import TPC, gateway_for, setup
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.sandbox import TPC, gateway_for, setup
 
-__all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "setup", "until"]
+__all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "reconciles", "setup",
+           "until"]
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:test", evictor_image="reg/kvtier:test")
 
@@ -45,3 +46,16 @@ def condition(body: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
         if c.get("type") == kind:
             return c
     return None
+
+
+def _cache_writes(kmock: Any) -> int:
+    return sum(1 for r in list(kmock._requests)
+               if r.method.upper() == "PATCH" and "/tieredprefixcaches/" in str(r.url))
+
+
+async def reconciles(kmock: Any, count: int = 3, timeout: float = 10.0) -> None:
+    """Wait until the operator has written the caches' status count more times (each
+    reconcile writes it once): a window in which something must not happen."""
+    start = _cache_writes(kmock)
+    await until(lambda: _cache_writes(kmock) >= start + count, timeout,
+                f"{count} more reconciles")

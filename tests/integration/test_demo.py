@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_make_demo_runs_the_whole_system(tmp_path):
     env = {**os.environ, "KVTIER_DEMO_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "kvtier_operator.demo"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "kvtier_demo"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=240, check=False)
     out = result.stdout
     assert result.returncode == 0, result.stderr[-3000:]

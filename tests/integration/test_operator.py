@@ -13,7 +13,16 @@ from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import names
 from kvtier_operator.render.pod import config_hash
 from tests.helpers import tpc_doc
-from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
+from tests.integration.harness import (
+    CTX,
+    TPC,
+    condition,
+    obj,
+    operator,
+    reconciles,
+    setup,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"
@@ -122,10 +131,10 @@ async def test_drift_is_repaired_and_claims_never_shrink(kmock):
         await kmock.patch(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/cache-kv-cache",
                           json={"spec": {"resources": {"requests": {"storage": "2Ti"}}}},
                           headers={"Content-Type": "application/merge-patch+json"})
-        await asyncio.sleep(1.0)
-        assert pvc(kmock)["spec"]["resources"]["requests"]["storage"] == "2Ti"
         await until(lambda: "kvtier never shrinks a claim" in condition(
             tpc_obj(kmock), "StorageReady")["message"], what="note")
+        await reconciles(kmock)
+        assert pvc(kmock)["spec"]["resources"]["requests"]["storage"] == "2Ti"
 
 
 async def test_claim_grows_with_the_spec(kmock):
@@ -343,7 +352,7 @@ async def test_invalid_spec_becomes_a_condition(kmock):
 
 
 async def test_webhook_conflicts_become_the_injected_condition(kmock):
-    from kvtier_operator import sandbox
+    from kvtier_demo import sandbox
     from kvtier_operator.handlers import OperatorConfig
     from kvtier_operator.webhook import mutate_pod
 
@@ -365,3 +374,21 @@ async def test_webhook_conflicts_become_the_injected_condition(kmock):
     assert cond["status"] == "False"
     assert "pod decode-0: container 'vllm' already passes --kv-transfer-config" in cond["message"]
     assert condition(tpc_obj(kmock), "Ready")["reason"] == "Conflict"
+
+
+async def test_drift_loop_runs_from_startup_before_any_cache_event(kmock):
+    """The drift loop starts with the operator, not with the first handled resource: a
+    cache the registry knows is repaired even when no handler has run yet."""
+    from kvtier_demo import sandbox
+    from kvtier_operator.handlers import OperatorConfig
+
+    setup(kmock)
+    config = OperatorConfig(render=CTX, drift_interval=0.1)
+    config.caches.observe("ADDED", cache(name="known"))  # no such object on the server
+
+    def drift_reads():
+        return [r for r in list(kmock._requests) if r.method.upper() == "GET"
+                and str(r.url).endswith("/tieredprefixcaches/known")]
+
+    async with sandbox.operator(kmock, CTX, config=config):
+        await until(drift_reads, what="the drift loop reading the known cache")

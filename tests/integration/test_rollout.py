@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import names
 from kvtier_operator.render.pod import config_hash
 from tests.helpers import tpc_doc
-from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
+from tests.integration.harness import (
+    CTX,
+    TPC,
+    condition,
+    obj,
+    operator,
+    reconciles,
+    setup,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"
@@ -95,14 +102,14 @@ async def test_auto_restarts_one_workload_at_a_time(kmock):
     deploy, lws = "apps/v1/deployments", "leaderworkerset.x-k8s.io/v1/leaderworkersets"
     async with operator(kmock, drift_interval=0.2):
         await until(lambda: restarted(kmock, deploy, "alpha") == digest, what="alpha restarted")
-        await asyncio.sleep(0.8)  # several more reconciles: nothing else may start meanwhile
+        await reconciles(kmock)  # several more: nothing else may start meanwhile
         assert restarted(kmock, deploy, "beta") is None
         assert restarted(kmock, lws, "gamma") is None
         cond = condition(obj(kmock, TPC, NS, "cache"), "Injected")
         assert cond["reason"] == "RollingOut" and "Deployment alpha" in cond["message"]
         await finish(kmock, "alpha-5d8f-0", digest)
         await until(lambda: restarted(kmock, deploy, "beta") == digest, what="beta restarted")
-        await asyncio.sleep(0.6)
+        await reconciles(kmock)
         assert restarted(kmock, lws, "gamma") is None
         await finish(kmock, "beta-5d8f-0", digest)
         await until(lambda: restarted(kmock, lws, "gamma") == digest, what="gamma restarted")
@@ -122,7 +129,7 @@ async def test_a_workload_still_rolling_blocks_restarts(kmock):
     async with operator(kmock, drift_interval=0.2):
         cond = await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected"),
                            what="cond")
-        await asyncio.sleep(0.6)
+        await reconciles(kmock)
     assert "waiting for Deployment alpha" in cond["message"]
     assert restarted(kmock, "apps/v1/deployments", "beta") is None
     assert restarted(kmock, "apps/v1/deployments", "alpha") is None
@@ -133,7 +140,7 @@ async def test_manual_only_reports(kmock):
     async with operator(kmock, drift_interval=0.2):
         cond = await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected"),
                            what="cond")
-        await asyncio.sleep(0.6)
+        await reconciles(kmock)
     assert cond["reason"] == "PodsPending" and "3 selected pod(s)" in cond["message"]
     for resource, name in (("apps/v1/deployments", "alpha"), ("apps/v1/deployments", "beta"),
                            ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "gamma")):

@@ -73,3 +73,15 @@ def test_crd_command_prints_the_crd():
     assert result.returncode == 0
     doc = yaml.safe_load(result.stdout)
     assert doc["metadata"]["name"] == "tieredprefixcaches.kvtier.dev"
+
+
+def test_watches_have_server_client_and_connect_timeouts():
+    import kopf
+
+    from kvtier_operator.handlers import configure
+
+    settings = kopf.OperatorSettings()
+    configure(settings)
+    w = settings.watching
+    assert w.server_timeout and w.client_timeout and w.connect_timeout
+    assert w.client_timeout > w.server_timeout  # the server ends a healthy watch first

@@ -16,9 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from kvtier_demo.certs import make_certs
 from kvtier_operator import admission, webhook
 from kvtier_operator.admission_lanes import AdmissionLanes, LaneLimits
-from kvtier_operator.certs import make_certs
 from kvtier_operator.render.pod import inject as real_inject
 from kvtier_operator.webhook import (
     MUTATE_PATH,

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier_operator.certs import make_certs
+from kvtier_demo.certs import make_certs
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.webhook import (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,7 +57,9 @@ def gateway_for(kmock: Any) -> Gateway:
 async def operator(kmock: Any, render: RenderContext, drift_interval: float = 3600.0,
                    retry_delay: float = 0.2,
                    config: OperatorConfig | None = None) -> AsyncIterator[OperatorConfig]:
-    """Run the real operator (kopf, standalone, cluster-wide) for the duration."""
+    """Run the real operator (kopf, standalone, cluster-wide) for the duration, on its
+    own thread and event loop, as it runs in its own process in a cluster. Sharing the
+    API server's loop would make kopf's shutdown wait out its watch streams (seconds)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -67,17 +70,36 @@ async def operator(kmock: Any, render: RenderContext, drift_interval: float = 36
     config = config or OperatorConfig(render=render, drift_interval=drift_interval,
                                       retry_delay=retry_delay)
     register(registry, config, lambda: gw)
-    settings = kopf.OperatorSettings()
-    settings.watching.server_timeout = 1
-    settings.watching.client_timeout = 2
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, settings=settings,
-                                             clusterwide=True, standalone=True, stop_flag=stop))
+
+    @kopf.on.startup(registry=registry)
+    def quick_watches(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # After register()'s own startup handler: kmock emits no watch events for objects
+        # a test puts straight into its store, so watches restart (and re-list) often.
+        settings.watching.server_timeout = 1
+        settings.watching.client_timeout = 2
+        settings.watching.connect_timeout = 2
+
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+                                      stop_flag=stop))
+        except BaseException as err:  # reported to the caller when it leaves
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="kvtier-operator", daemon=True)
+    thread.start()
     try:
         yield config
     finally:
         stop.set()
-        await asyncio.wait_for(task, 60)
+        await asyncio.to_thread(thread.join, 60)
+        if thread.is_alive():
+            raise RuntimeError("the sandboxed operator did not stop within 60 s")
+        if failure:
+            raise RuntimeError("the sandboxed operator failed") from failure[0]
 
 
 def stored(kmock: Any, resource: str, ns: str, name: str) -> dict[str, Any] | None:

@@ -110,8 +110,8 @@ def move_kv_blocks(volume: Path, fingerprint_src: dict[str, Any]) -> dict[str, f
 async def live(out: Path) -> int:
     from kmock import KubernetesEmulator, Server
 
-    from kvtier_operator import sandbox
-    from kvtier_operator.certs import make_certs
+    from kvtier_demo import sandbox
+    from kvtier_demo.certs import make_certs
     from kvtier_operator.handlers import OperatorConfig
     from kvtier_operator.webhook import MUTATE_PATH, make_app, serve, tls_context
 
