@@ -142,6 +142,14 @@ class Gateway:
                 return False
             raise
 
+    def delete_owned(self, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object only if owner_uid controls it (a CR that stops wanting a
+        ConfigMap or CronJob must not delete someone else's under that name)."""
+        live = self.get(kind, namespace, name)
+        if live is None or controller_uid(live.get("metadata") or {}) != owner_uid:
+            return False
+        return self.delete(kind, namespace, name)
+
     def ensure(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Make the live object match obj, the render: create it, or merge-patch obj in
         and take out what kvtier applied last time and obj no longer has.
@@ -157,6 +165,13 @@ class Gateway:
                 if err.status != 409:
                     raise
                 live = self.get(kind, ns, name) or {}
+        owner = controller_uid(obj["metadata"])
+        if owner is not None and controller_uid(live.get("metadata") or {}) != owner:
+            # Anyone may have made an object under the name a CR asks for: kvtier patches
+            # (and so adopts) only what it controls.
+            raise ApiRejected(409, "NotOwned", "it exists and is not controlled by this "
+                              "TieredPrefixCache; kvtier takes over only objects it created: "
+                              "delete it or choose another name", Gateway._what(kind, ns, name))
         gone = applied.removals(applied.recorded(live), tree, live)
         if not gone and contains(live, desired):
             return "unchanged", live
@@ -217,6 +232,15 @@ class Gateway:
                    GROUP, VERSION, namespace, PLURAL, name, {"status": status},
                    field_manager=FIELD_MANAGER,
                    _content_type="application/merge-patch+json")
+
+
+def controller_uid(meta: dict[str, Any]) -> str | None:
+    """The uid of the object's controlling owner, if it has one."""
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, dict) and ref.get("controller"):
+            uid = ref.get("uid")
+            return uid if isinstance(uid, str) else None
+    return None
 
 
 def controlled_by(meta: dict[str, Any], labels: dict[str, str], owner_uid: str) -> bool:

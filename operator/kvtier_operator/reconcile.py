@@ -149,7 +149,8 @@ def _apply_owned(tpc: TieredPrefixCache, gw: Gateway, desired: dict[str, Any] | 
     the server's refusal message, if any."""
     try:
         if desired is None:
-            if gw.delete(kind, tpc.namespace, name):
+            uid = tpc.metadata.uid
+            if uid and gw.delete_owned(kind, tpc.namespace, name, uid):
                 events.append(("Normal", "Deleted", f"deleted {kind} {name}"))
             return None
         action, _ = gw.ensure(desired)

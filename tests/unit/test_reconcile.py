@@ -60,6 +60,9 @@ class FakeGateway:
     def ensure(self, obj):
         return Gateway.ensure(self, obj)  # the real logic over this fake's CRUD
 
+    def delete_owned(self, kind, ns, name, owner_uid):
+        return Gateway.delete_owned(self, kind, ns, name, owner_uid)
+
     def events_for(self, ns, kind, name):
         return []
 
@@ -206,6 +209,35 @@ def test_storage_removed_deletes_the_cronjob():
     assert ("CronJob", "ml", "cache-evictor") in gw.store
     run(gw, body({"storage": None}))
     assert ("CronJob", "ml", "cache-evictor") not in gw.store
+
+
+def _foreign(gw, kind, name):
+    """An object someone else made, under a name a CR can ask for."""
+    gw.store[kind, "ml", name] = {"kind": kind, "metadata": {
+        "name": name, "namespace": "ml", "labels": {"app": "theirs"}}, "data": {"k": "v"}}
+
+
+def test_a_cache_never_deletes_or_adopts_what_it_does_not_control():
+    """A CR author must not get kvtier to delete or take over someone else's ConfigMap or
+    CronJob by naming it (kvtier's role may patch and delete both)."""
+    gw = FakeGateway()
+    _foreign(gw, "ConfigMap", "app-config")
+    _foreign(gw, "CronJob", "backup-evictor")
+    before = copy.deepcopy(gw.store)
+    # not wanted under that name: a foreign object is left alone
+    run(gw, body({"router": {"enabled": False, "configMapName": "app-config"}}))
+    doc = body({"storage": None})
+    doc["metadata"]["name"] = "backup"
+    run(gw, doc)
+    assert gw.store["ConfigMap", "ml", "app-config"] == before["ConfigMap", "ml", "app-config"]
+    assert gw.store["CronJob", "ml", "backup-evictor"] == before["CronJob", "ml", "backup-evictor"]
+    # wanted under that name: refused and reported, never patched (nor owned, so deleting
+    # the cache cannot garbage-collect it)
+    outcome = run(gw, body({"router": {"enabled": True, "configMapName": "app-config"}}))
+    assert gw.store["ConfigMap", "ml", "app-config"] == before["ConfigMap", "ml", "app-config"]
+    cond = next(c for c in outcome.status["conditions"] if c["reason"] == "RouterConfigRejected")
+    assert "not controlled by this TieredPrefixCache" in cond["message"]
+    assert not outcome.ok
 
 
 def test_conditions_keep_transition_time_while_status_holds():
