@@ -48,6 +48,11 @@ __all__ = ["MUTATE_PATH", "VALIDATE_PATH", "BadReview", "CacheRegistry", "Confli
 
 log = logging.getLogger("kvtier_operator.webhook")
 MAX_BODY = 3 * 1024 * 1024  # the API server's own request limit for admission objects
+# Request bodies held at once, over all connections (being read or being admitted): each
+# request reserves its Content-Length before a byte of its body is read, and is answered
+# 503 at once when the budget is spent, so many slow senders cannot grow the process
+# (the chart's memory limit is 512Mi).
+BODY_BUDGET = 64 * 1024 * 1024
 REQUEST_READ_TIMEOUT = 10.0  # seconds from a request's first byte to its last
 IDLE_TIMEOUT = 60.0  # seconds a connection may wait, with no request in progress
 TLS_HANDSHAKE_TIMEOUT = 10.0
@@ -190,7 +195,26 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
              lanes: AdmissionLanes | None = None) -> web.Application:
     lanes = lanes or AdmissionLanes()
 
+    budget = {"free": BODY_BUDGET}
+
     async def review(request: web.Request, path: str) -> web.Response:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            return web.json_response({"error": f"Content-Encoding {encoding[:40]!r} is not "
+                                      "accepted: send the review uncompressed"}, status=415)
+        size = request.content_length if request.content_length is not None else MAX_BODY
+        if size > MAX_BODY:
+            return web.json_response({"error": f"body over {MAX_BODY} bytes"}, status=413)
+        if size > budget["free"]:
+            return web.json_response({"error": "the kvtier webhook is busy (request bodies "
+                                      "in progress); retry later"}, status=503)
+        budget["free"] -= size
+        try:
+            return await _review(request, path)
+        finally:
+            budget["free"] += size
+
+    async def _review(request: web.Request, path: str) -> web.Response:
         started = time.perf_counter()
         try:
             body = await request.read()

@@ -332,3 +332,32 @@ async def test_a_slow_large_admission_in_the_worker_process_holds_up_no_one(tmp_
     finally:
         spin.release.set()
         await runner.cleanup()
+
+
+async def test_bodies_in_progress_are_bounded_in_bytes(tmp_path, monkeypatch):
+    """Many senders of large, slow bodies cannot grow the process: each request reserves
+    its Content-Length first, and past the budget the answer is 503 before any read."""
+    monkeypatch.setattr(webhook, "BODY_BUDGET", 4 * 1024 * 1024)
+    runner, hook = await start(tmp_path)
+    try:
+        reader, writer = await tls_stream(hook)
+        writer.write(f"POST {MUTATE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     "application/json\r\nContent-Length: 3000000\r\n\r\n{".encode())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the server holds 3 MB of its 4 MB budget for this one
+        big = json.dumps({"pad": "x" * 2_000_000}).encode()
+        status, text = await hook.post(MUTATE_PATH, data=big)
+        assert status == 503 and "busy" in text["error"]
+        status, _ = await hook.post(MUTATE_PATH, review(minimal_pod()))
+        assert status == 200  # small reviews still fit
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_compressed_bodies_are_refused_cleanly(hook):
+    import gzip
+
+    status, text = await hook.post(MUTATE_PATH, data=gzip.compress(b"{}") + b"corrupt",
+                                   headers={"Content-Encoding": "gzip"})
+    assert status == 415 and "uncompressed" in text["error"]

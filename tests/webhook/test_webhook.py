@@ -48,11 +48,12 @@ class Webhook:
             caches, conflicts, url, ca, certdir
         self.client_ssl = ssl.create_default_context(cafile=str(ca))
 
-    async def post(self, path, payload=None, data=None):
-        async with aiohttp.ClientSession() as session:
+    async def post(self, path, payload=None, data=None, headers=None):
+        async with aiohttp.ClientSession(auto_decompress=False) as session:
             body = data if data is not None else json.dumps(payload).encode()
             async with session.post(self.url + path, data=body, ssl=self.client_ssl,
-                                    headers={"Content-Type": "application/json"}) as resp:
+                                    headers={"Content-Type": "application/json",
+                                             **(headers or {})}) as resp:
                 text = await resp.text()
                 return resp.status, (json.loads(text) if text.startswith("{") else text)
 
