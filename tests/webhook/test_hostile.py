@@ -340,7 +340,7 @@ async def test_bodies_in_progress_are_bounded_in_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(webhook, "BODY_BUDGET", 4 * 1024 * 1024)
     runner, hook = await start(tmp_path)
     try:
-        reader, writer = await tls_stream(hook)
+        _, writer = await tls_stream(hook)
         writer.write(f"POST {MUTATE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      "application/json\r\nContent-Length: 3000000\r\n\r\n{".encode())
         await writer.drain()
