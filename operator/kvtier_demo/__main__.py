@@ -117,6 +117,10 @@ async def live(out: Path) -> int:
 
     doc = yaml.safe_load((EXAMPLES / EXAMPLE).read_text())
     tpc = parse_tpc(doc)
+    claim = tpc.spec.storage.pvc if tpc.spec.storage is not None else None
+    if claim is None:
+        raise RuntimeError(f"demo: examples/{EXAMPLE} needs spec.storage.pvc (the demo shows "
+                           "a shared tier on a claim kvtier creates)")
     name = tpc.name
     deployment = yaml.safe_load((EXAMPLES / SAMPLE).read_text())
     ctx = RenderContext()
@@ -136,7 +140,7 @@ async def live(out: Path) -> int:
                 cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
                 print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
                       f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
-                      f"{tpc.spec.storage.pvc.size} ReadWriteMany claim")
+                      f"{claim.size} ReadWriteMany claim")
                 doc["metadata"]["uid"] = "demo-uid-1"
                 doc["metadata"]["generation"] = 1
                 kmock.objects[sandbox.TPC, NS, name] = doc
@@ -221,10 +225,18 @@ async def live(out: Path) -> int:
                             "message": report.to_json(limit=4096)}}}]}}
 
                 say(f"6. kubectl get tpc {name} -o yaml (status)")
-                body = await _until(lambda: (lambda b: b if (b.get("status") or {}).get(
-                    "lastEviction") and b["status"].get("injectedPods") == 1
-                    and b["status"]["conditions"][0]["status"] == "True" else None)(
-                    get(sandbox.TPC, name)), "status with the eviction report")
+
+                def evicted() -> dict[str, Any] | None:
+                    b = get(sandbox.TPC, name)
+                    if b is None:
+                        raise RuntimeError(f"demo: TieredPrefixCache {NS}/{name} is gone")
+                    status = b.get("status") or {}
+                    if not (status.get("lastEviction") and status.get("injectedPods") == 1
+                            and status["conditions"][0]["status"] == "True"):
+                        return None
+                    return b
+
+                body = await _until(evicted, "status with the eviction report")
                 print(dump({"status": body["status"]}))
         finally:
             await runner.cleanup()

@@ -82,7 +82,7 @@ def _deeper_than(doc: Any, limit: int) -> bool:
     """Whether any value in `doc` sits more than `limit` arrays/objects deep (iterative)."""
     level: list[Any] = [doc]
     for _ in range(limit + 1):
-        nested = []
+        nested: list[Any] = []
         for value in level:
             if isinstance(value, dict):
                 nested.extend(v for v in value.values() if isinstance(v, dict | list))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from kvtier_operator import GROUP, PLURAL, VERSION, applied
 
@@ -55,8 +55,9 @@ class Gateway:
         self.apps = client.AppsV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.retries, self.backoff, self.sleep = retries, backoff, sleep
-        # Per kind: (read, create, patch, delete), namespaced, by name.
-        self._ops: dict[str, tuple[Callable[..., Any], ...]] = {
+        # Per kind: (read, create, patch, delete), namespaced, by name; None: not done.
+        self._ops: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None,
+                                   Callable[..., Any] | None, Callable[..., Any] | None]] = {
             "PersistentVolumeClaim": (
                 self.core.read_namespaced_persistent_volume_claim,
                 self.core.create_namespaced_persistent_volume_claim,
@@ -110,8 +111,16 @@ class Gateway:
 
     # ---------------------------------------------------------------- CRUD
 
+    def _op(self, kind: str, verb: int) -> Callable[..., Any]:
+        fn = self._ops[kind][verb]
+        if fn is None:
+            action = ("read", "create", "patch", "delete")[verb]
+            raise ValueError(f"the gateway does not {action} {kind} objects (the operator "
+                             f"never {action}s them)")
+        return fn
+
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self._ops[kind][0]
+        read = self._op(kind, 0)
         try:
             return self._call(self._what(kind, namespace, name), read, name, namespace)
         except ApiRejected as err:
@@ -121,18 +130,18 @@ class Gateway:
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
-        create = self._ops[obj["kind"]][1]
+        create = self._op(obj["kind"], 1)
         return self._call(self._what(obj["kind"], meta["namespace"], meta["name"]), create,
                           meta["namespace"], obj, field_manager=FIELD_MANAGER, creating=True)
 
     def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        patch = self._ops[kind][2]
+        patch = self._op(kind, 2)
         return self._call(self._what(kind, namespace, name), patch, name, namespace, body,
                           field_manager=FIELD_MANAGER,
                           _content_type="application/merge-patch+json")
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
-        delete = self._ops[kind][3]
+        delete = self._op(kind, 3)
         try:
             self._call(self._what(kind, namespace, name), delete, name, namespace,
                        propagation_policy="Background")

@@ -89,7 +89,8 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
 
 def _post(body: dict[str, Any], outcome: Outcome) -> None:
     for kind, reason, message in outcome.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        # kopf annotates objs as kopf.Body but reads any mapping (.get), as plain dicts are.
+        kopf.event(body, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
@@ -97,8 +98,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     """Register every handler on registry; gateway() builds the API gateway lazily."""
 
     @kopf.index("pods", id="kvtier_pods", registry=registry)
-    def kvtier_pods(body: kopf.Body, namespace: str, **_: Any) -> dict[str, PodView]:
-        return {namespace: pod_view(dict(body))}
+    def kvtier_pods(body: kopf.Body, **_: Any) -> dict[str, PodView]:
+        view = pod_view(dict(body))  # pods are namespaced: kopf's namespace is this one
+        return {view.namespace: view}
 
     @kopf.index("pods", labels={names.LABEL_COMPONENT: "evictor"}, id="kvtier_evictor_runs",
                 registry=registry)
@@ -151,8 +153,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                     log.exception("drift repair of %s/%s failed", ns, name)
 
     @kopf.on.startup(registry=registry)
-    async def startup(settings: kopf.OperatorSettings, kvtier_pods: kopf.Index,
-                      kvtier_evictor_runs: kopf.Index, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, **indexes: Any) -> None:
+        # kopf passes every index as a keyword argument named by its id (its ActivityFn
+        # type knows only its own arguments).
+        kvtier_pods: kopf.Index = indexes["kvtier_pods"]
+        kvtier_evictor_runs: kopf.Index = indexes["kvtier_evictor_runs"]
         configure(settings)
         # The indexes are live views: empty now, filled as the watches list and stream.
         state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
     AfterValidator,
@@ -39,7 +39,7 @@ from kvtier_operator.rules import Rule
 # A size: checked against a bounded grammar before any conversion (see quantity.py). The
 # CRD carries the same grammar as a pattern: a CEL rule on an int-or-string field would
 # be costed as a 3 MB string, which the API server refuses.
-Quantity = Annotated[
+Quantity: TypeAlias = Annotated[
     str,
     BeforeValidator(normalize_quantity),
     WithJsonSchema({"x-kubernetes-int-or-string": True, "maxLength": CR_MAX_LENGTH,
@@ -47,48 +47,54 @@ Quantity = Annotated[
 ]
 
 
-def checked(*field_rules: Rule) -> Any:
-    """A string field under `field_rules`: the model checks them, the CRD carries them as
-    CEL rules with the same messages (and the strictest maxLength)."""
-    schema = {"type": "string", "maxLength": min(r.max_length for r in field_rules),
-              "x-kubernetes-validations": [r.cel() for r in field_rules]}
-    return Annotated[str, *(AfterValidator(r.check) for r in field_rules),
-                     WithJsonSchema(schema)]
+def rule_schema(*field_rules: Rule) -> WithJsonSchema:
+    """The CRD schema of a string field under `field_rules`: the rules as CEL rules with
+    the same messages (and the strictest maxLength). The field's type pairs it with one
+    AfterValidator per rule, so the model checks what the API server checks."""
+    return WithJsonSchema({
+        "type": "string", "maxLength": min(r.max_length for r in field_rules),
+        "x-kubernetes-validations": [r.cel() for r in field_rules]})
 
 
-def patterned(rule: Rule, check: Any = None) -> Any:
-    """A string in a list or map: the CRD gets pattern and maxLength (a CEL rule there is
-    costed per item); the model checks the rule (or `check`, which may check more)."""
-    return Annotated[str, AfterValidator(check or rule.check),
-                     WithJsonSchema({"type": "string", **rule.pattern_schema()})]
+def item_schema(rule: Rule) -> WithJsonSchema:
+    """The CRD schema of a string in a list or map: pattern and maxLength (a CEL rule there
+    is costed per item); the field's type pairs it with the model's check of the rule."""
+    return WithJsonSchema({"type": "string", **rule.pattern_schema()})
 
 
-LabelKey = patterned(rules.LABEL_KEY, rules.check_label_key)
-LabelValue = patterned(rules.LABEL_VALUE)
+# String fields under rules (rules.py): static types, so type checkers see `str`.
+ModelName: TypeAlias = Annotated[
+    str, AfterValidator(rules.MODEL_NAME.check), rule_schema(rules.MODEL_NAME)]
+StorageClassName: TypeAlias = Annotated[
+    str, AfterValidator(rules.STORAGE_CLASS_NAME.check), rule_schema(rules.STORAGE_CLASS_NAME)]
+ClaimName: TypeAlias = Annotated[
+    str, AfterValidator(rules.CLAIM_NAME.check), rule_schema(rules.CLAIM_NAME)]
+MountPath: TypeAlias = Annotated[
+    str, AfterValidator(rules.MOUNT_PATH.check), AfterValidator(rules.MOUNT_PATH_PLACE.check),
+    rule_schema(rules.MOUNT_PATH, rules.MOUNT_PATH_PLACE)]
+Schedule: TypeAlias = Annotated[str, AfterValidator(SCHEDULE.check), rule_schema(SCHEDULE)]
+ConfigMapName: TypeAlias = Annotated[
+    str, AfterValidator(rules.CONFIG_MAP_NAME.check), rule_schema(rules.CONFIG_MAP_NAME)]
+ContainerName: TypeAlias = Annotated[
+    str, AfterValidator(rules.CONTAINER_NAME.check), rule_schema(rules.CONTAINER_NAME)]
+
+LabelKey: TypeAlias = Annotated[
+    str, AfterValidator(rules.check_label_key), item_schema(rules.LABEL_KEY)]
+LabelValue: TypeAlias = Annotated[
+    str, AfterValidator(rules.LABEL_VALUE.check), item_schema(rules.LABEL_VALUE)]
 # Map keys cannot carry a schema in a CRD; the model checks them.
-MapLabelKey = Annotated[str, AfterValidator(rules.check_label_key)]
+MapLabelKey: TypeAlias = Annotated[str, AfterValidator(rules.check_label_key)]
 
 DEFAULT_FILE_TOKENS = 256  # storage.blockSize when unset
 STAGING_WITH_CPU_TIER = (
     "spec.storage.stagingSize applies without a CPU tier only (kvtier's own staging "
     "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove stagingSize")
-GPU_DIRECT_RULES = [
-    {
-        "rule": "has(self.cpu) || ((!has(self.connector) || self.connector == 'native') && "
-        "has(self.storage) && (!has(self.storage.backend) || self.storage.backend == 'kvtier'))",
-        "message": "spec.cpu is required unless kvtier offloads straight from GPU memory to the "
-        "shared volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi",
-    },
-    {
-        "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
-        "message": "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each "
-        "file holds one GPU block; remove blockSize",
-    },
-    {
-        "rule": "!has(self.cpu) || !has(self.storage) || !has(self.storage.stagingSize)",
-        "message": STAGING_WITH_CPU_TIER,
-    },
-]
+GPU_DIRECT_NEEDS_STORAGE = (
+    "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
+    "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
+BLOCK_SIZE_WITH_CPU_TIER = (
+    "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
+    "one GPU block; remove blockSize")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -229,7 +235,7 @@ class ModelGeometry(ApiModel):
             ]
         }
     )
-    name: checked(rules.MODEL_NAME) = Field(
+    name: ModelName = Field(
         description="Model name as vLLM serves it (e.g. Qwen/Qwen3-32B); used by LMCache "
         "and the router config.",
     )
@@ -304,17 +310,23 @@ ONCE_POD_ALONE = ("spec.storage.pvc.accessModes: ReadWriteOncePod cannot be comb
                   "share the tier")
 
 
+AccessMode: TypeAlias = Literal[
+    "ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]
+
+
+def _share_by_default() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
 class ClaimTemplate(ApiModel):
     size: Quantity = Field(description="Requested capacity of the new PVC, e.g. 9000Gi.")
-    storage_class_name: checked(rules.STORAGE_CLASS_NAME) | None = Field(
+    storage_class_name: StorageClassName | None = Field(
         default=None,
         description="StorageClass of the new PVC (e.g. lustre, efs-sc). Omit for the "
         "cluster's default class; an explicit empty string is refused.",
     )
-    access_modes: list[
-        Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]
-    ] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
+    access_modes: list[AccessMode] = Field(
+        default_factory=_share_by_default,
         json_schema_extra={"default": ["ReadWriteMany"], "x-kubernetes-validations": [
             {"rule": "size(self) == 1 || !self.exists(m, m == 'ReadWriteOncePod')",
              "message": ONCE_POD_ALONE}]},
@@ -366,11 +378,11 @@ class StorageTier(ApiModel):
     pvc: ClaimTemplate | None = Field(
         default=None, description="Create a PersistentVolumeClaim for the shared tier."
     )
-    existing_claim: checked(rules.CLAIM_NAME) | None = Field(
+    existing_claim: ClaimName | None = Field(
         default=None,
         description="Use this existing PVC (never modified or deleted by kvtier).",
     )
-    mount_path: checked(rules.MOUNT_PATH, rules.MOUNT_PATH_PLACE) = Field(
+    mount_path: MountPath = Field(
         default="/mnt/files-storage",
         description="Where the volume is mounted in the model-server container.",
     )
@@ -439,7 +451,7 @@ class Eviction(ApiModel):
             ]
         }
     )
-    schedule: checked(SCHEDULE) = Field(
+    schedule: Schedule = Field(
         default="*/5 * * * *",
         description="Cron schedule of the evictor CronJob (five fields or @hourly etc.).",
     )
@@ -508,7 +520,7 @@ class Router(ApiModel):
         default=False,
         description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
     )
-    config_map_name: checked(rules.CONFIG_MAP_NAME) | None = Field(
+    config_map_name: ConfigMapName | None = Field(
         default=None,
         description="Name of that ConfigMap; default <name>-router. Renaming it deletes the "
         "one the operator made under the old name."
@@ -525,12 +537,32 @@ class Router(ApiModel):
 
 
 class TieredPrefixCacheSpec(ApiModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": GPU_DIRECT_RULES})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.cpu) || ((!has(self.connector) || "
+                    "self.connector == 'native') && has(self.storage) && "
+                    "(!has(self.storage.backend) || self.storage.backend == 'kvtier'))",
+                    "message": GPU_DIRECT_NEEDS_STORAGE,
+                },
+                {
+                    "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
+                    "message": BLOCK_SIZE_WITH_CPU_TIER,
+                },
+                {
+                    "rule": "!has(self.cpu) || !has(self.storage) || "
+                    "!has(self.storage.stagingSize)",
+                    "message": STAGING_WITH_CPU_TIER,
+                },
+            ]
+        }
+    )
 
     selector: LabelSelector = Field(
         description="Selects the model-server pods in this namespace to give the cache to."
     )
-    container_name: checked(rules.CONTAINER_NAME) | None = Field(
+    container_name: ContainerName | None = Field(
         default=None,
         description="Container running vLLM; default: the one whose command runs vllm serve.",
     )
@@ -579,9 +611,9 @@ class TieredPrefixCacheSpec(ApiModel):
         if self.cpu is None:
             if self.connector != Connector.native or s is None or (
                     s.backend not in (None, StorageBackend.kvtier)):
-                raise ValueError(GPU_DIRECT_RULES[0]["message"])
+                raise ValueError(GPU_DIRECT_NEEDS_STORAGE)
             if s.block_size is not None:
-                raise ValueError(GPU_DIRECT_RULES[1]["message"])
+                raise ValueError(BLOCK_SIZE_WITH_CPU_TIER)
         if s is None:
             return self
         if self.connector == Connector.lmcache:

@@ -39,7 +39,8 @@ def pod_view(body: dict[str, Any]) -> PodView:
     meta = body.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     phase = (body.get("status") or {}).get("phase")
-    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), {})
+    owner: dict[str, Any] = next(
+        (o for o in meta.get("ownerReferences") or [] if o.get("controller")), {})
     return PodView(
         namespace=meta.get("namespace", ""),
         name=meta.get("name", ""),

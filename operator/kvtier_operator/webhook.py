@@ -24,7 +24,7 @@ import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -98,7 +98,7 @@ class _Deadlines(asyncio.Protocol):
                  read_timeout: float, idle_timeout: float) -> None:
         self._inner, self._watched = inner, watched
         self._read_timeout, self._idle_timeout = read_timeout, idle_timeout
-        self._transport: asyncio.BaseTransport | None = None
+        self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.state = "idle"
         self.expired = False
@@ -137,7 +137,9 @@ class _Deadlines(asyncio.Protocol):
 
     # asyncio.Protocol, forwarded to aiohttp's
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
+        # A stream server's transport has abort(); uvloop's TCPTransport is no
+        # asyncio.Transport subclass (so no isinstance check) but has the same methods.
+        self._transport = cast(asyncio.Transport, transport)
         self._watched[transport] = self
         self._arm(self._idle_timeout)
         self._inner.connection_made(transport)

@@ -7,7 +7,8 @@ from typing import Any
 import yaml
 
 
-class _Dumper(yaml.SafeDumper):
+# PyYAML ships no type information (and types-PyYAML is not installed): SafeDumper is Any.
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]
     def ignore_aliases(self, data: Any) -> bool:
         return True
 
