@@ -236,9 +236,12 @@ def main() -> None:
             before = list(large.counts)
             result = measure(base + "/mutate-pods", client_ssl, body)
             done, busy, failed = (a - b for a, b in zip(large.counts, before, strict=True))
+            # The floor under the same load: a request the server does no work for.
+            floor = measure(base + "/healthz", client_ssl, None)
         print(line(f"  with {LARGE_SENDERS} senders of 2.4 MB pods", *result,
                    f"  (their answers meanwhile: {done} admitted, {busy} busy 503, "
                    f"{failed} failed)"))
+        print(line("  anchor GET /healthz, same load", *floor))
         with Background(trickle, "127.0.0.1", port, "/mutate-pods", ca, slots=1) as slow:
             result = measure(base + "/mutate-pods", client_ssl, body)
             deadline = time.monotonic() + 20  # the server's read timeout is 10 s
