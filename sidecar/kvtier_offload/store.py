@@ -484,6 +484,10 @@ class BlockStore:
                 self._lookup_cv.notify()
         return None
 
+    def cached(self, key: bytes) -> bool | None:
+        """The lookup cache's answer for key, never a stat: None where it has none."""
+        return self._cached(key) if key_fits(key) else None
+
     def lookup_now(self, keys: Sequence[bytes]) -> list[bool]:
         """Synchronous, batched: cached answers, a stat for the rest."""
         out = []

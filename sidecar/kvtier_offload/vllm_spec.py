@@ -43,8 +43,6 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
-    Medium,
-    OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
@@ -117,9 +115,8 @@ class KvtierOffloadingManager(OffloadingManager):
     first). A key is stored only where every rank's file is there: a rank's store may be
     dropped (write queue full, backoff, free-space floor) or its file evicted alone."""
 
-    def __init__(self, stores: BlockStore | Sequence[BlockStore], events: bool = False) -> None:
+    def __init__(self, stores: BlockStore | Sequence[BlockStore]) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
-        self._events: list[OffloadingEvent] | None = [] if events else None
         # Keys each recent request has loaded. vLLM does not tell the manager whether a
         # load succeeded; a request that looks up a key it has loaded is one whose load
         # failed (it is back to recompute), or one preempted since: a miss for it either
@@ -131,13 +128,9 @@ class KvtierOffloadingManager(OffloadingManager):
         """Rank 0's files."""
         return self.stores[0]
 
-    def _on_every_rank(self, keys: Collection[OffloadKey]) -> list[bool]:
-        """Whether each key's file is there for every rank, now (stat where not cached)."""
-        raw = [bytes(k) for k in keys]
-        there = [True] * len(raw)
-        for store in self.stores:
-            there = [a and b for a, b in zip(there, store.lookup_now(raw), strict=True)]
-        return there
+    def _known_on_every_rank(self, key: bytes) -> bool:
+        """Whether the lookup cache says key's file is there for every rank (no stat)."""
+        return all(store.cached(key) for store in self.stores)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if bytes(key) in self._loaded.get(req_context.req_id, ()):
@@ -164,30 +157,21 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        # A key missing on any rank is stored again: ranks that have it skip the write.
-        new = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
-               if not there]
+        # From the lookup cache only: the scheduler's thread never stats the volume (a
+        # hung mount would stop the engine). A key not known to be there on every rank
+        # is stored; a rank whose file is there already skips the write on its I/O
+        # thread (the writer looks first and counts it as store "exists").
+        new = [k for k in keys if not self._known_on_every_rank(bytes(k))]
         return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        for store in self.stores:  # whatever the workers said, let the next lookup look
+        # Whatever the workers said (a dropped store is reported done too), the next
+        # lookup looks again, on the lookup threads. No KV events: see get_manager.
+        for store in self.stores:
             for key in keys:
                 store.forget(bytes(key))
-        if self._events is not None and keys:
-            # Announce only what really landed: a dropped store was reported "done" too.
-            landed = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
-                      if there]
-            if landed:
-                self._events.append(OffloadingEvent(keys=list(landed), medium=Medium.STORAGE,
-                                                    removed=False))
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
-            return ()
-        out, self._events = self._events, []
-        return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -579,8 +563,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 store = _store(self, fields, lookups_only=True)
                 store.layout.write_config(fields)
                 stores.append(store)
-            self._manager = KvtierOffloadingManager(
-                stores, events=self.kv_events_config.enable_kv_cache_events)
+            if self.kv_events_config.enable_kv_cache_events:
+                # kvtier never learns of evictions (the evictor removes files on its
+                # own), so "stored" events would tell routers of blocks long gone, and
+                # vLLM's tracker would keep a payload per key forever.
+                log.warning("kvtier: KV cache events for the storage medium are not "
+                            "published in GPU-direct mode (KvtierOffloadingSpec); GPU "
+                            "events are unaffected")
+            self._manager = KvtierOffloadingManager(stores)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
