@@ -104,6 +104,10 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
         write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
         # the manager must stat the volume, never trust what it was told
         lookup_hit_ttl=float(extra.get("lookup_hit_ttl", 2.0)),
+        # a key the volume has not answered within this is a miss (never a request
+        # held back for good); only the manager looks keys up
+        lookup_pending_seconds=float(extra.get("lookup_pending_seconds", 1.0)),
+        lookup_threads=int(extra.get("n_lookup_threads", 4)) if lookups_only else 1,
     ))
 
 
