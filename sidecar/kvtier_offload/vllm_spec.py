@@ -197,6 +197,7 @@ class _Job:
     queued: int = 0  # pieces waiting for staging
     moved: int = 0  # blocks copied all the way
     failed: list[int] = field(default_factory=list)  # load: GPU block ids not loaded
+    expired: bool = False  # load: past load_timeout, its unread blocks given up
 
 
 @dataclass
@@ -210,6 +211,7 @@ class _Piece:
     block_ids: np.ndarray
     run: Run | None = None
     fence: Any = None
+    abandoned: bool = False  # load: its job gave up on it; the read may still return
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -234,7 +236,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
                  blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
                  max_device_temp_bytes: int = 64 << 20,
-                 shutdown_timeout: float = 10.0) -> None:
+                 shutdown_timeout: float = 10.0, load_timeout: float = 30.0) -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -245,6 +247,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.device = tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.shutdown_timeout = shutdown_timeout
+        self.load_timeout = load_timeout
         self.arena = StagingArena(self.page_total, self.cuda, max_staging_bytes)
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.rows.view(wide)
@@ -488,8 +491,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             else:
                 still.append(piece)
         self._copying_out = still
+        self._expire_loads()
         for outcome in self.store.finished():
             piece = self._io.pop(outcome.job_id)
+            if piece.abandoned:  # late: its job was reported failed; the read is over,
+                assert piece.run is not None  # so its staging rows are free again
+                self.arena.give(piece.run)
+                piece.run = None
+                continue
             if outcome.kind == "store":
                 piece.job.moved += sum(outcome.ok)
                 self._release(piece)
@@ -504,6 +513,41 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._copying_in = still
         self._start_loads()  # loads first: a cache hit must not wait behind stores
         self._start_stores()
+
+    def _expire_loads(self) -> None:
+        """Fail the load jobs older than load_timeout (a read that never returns, a hung
+        volume): their pieces still waiting for staging or for the volume are given up,
+        their blocks reported unloaded (vLLM recomputes them). A piece given up while
+        its read is in flight keeps its staging rows until the read returns (the I/O
+        thread may still write them); its result is then ignored. Pieces already
+        copying to the GPU finish as usual."""
+        if not self._loads:
+            return
+        now = time.monotonic()
+        late = {job.job_id for job in self._loads.values()
+                if not job.expired and now - job.started > self.load_timeout}
+        if not late:
+            return
+        kept: deque[_Piece] = deque()
+        for piece in self._load_waiting:
+            if piece.job.job_id in late:
+                piece.job.failed.extend(int(b) for b in piece.block_ids)
+                piece.job.queued -= 1
+            else:
+                kept.append(piece)
+        self._load_waiting = kept
+        for piece in self._io.values():
+            if piece.job.kind == "load" and piece.job.job_id in late and not piece.abandoned:
+                piece.abandoned = True
+                piece.job.failed.extend(int(b) for b in piece.block_ids)
+                piece.job.in_flight -= 1
+        for job_id in late:
+            job = self._loads[job_id]
+            job.expired = True
+            log.warning("kvtier: load job %d not done after %.1fs (a slow or hung volume?); "
+                        "reporting its unread blocks failed, vLLM recomputes them",
+                        job_id, self.load_timeout)
+            self._maybe_finish(job)
 
     def _report(self, job_id: int, success: bool, size: int, started: float) -> None:
         self._done.append(TransferResult(job_id=job_id, success=success, transfer_size=size,
@@ -523,7 +567,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Stores: until their GPU source pages are copied (vLLM reuses the blocks next);
         their pieces still waiting for staging are dropped. Loads: until their pages are
-        in the KV cache (or reported failed)."""
+        in the KV cache or reported failed, which takes at most load_timeout."""
         kept: deque[_Piece] = deque()
         for piece in self._store_waiting:
             if piece.job.job_id in job_ids:
@@ -581,4 +625,5 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return KvtierOffloadingWorker(
             _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
-            shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)))
+            shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)),
+            load_timeout=float(self.extra_config.get("load_timeout_seconds", 30.0)))

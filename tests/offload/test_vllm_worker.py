@@ -438,3 +438,56 @@ def test_shutdown_with_jobs_in_flight_returns_within_its_timeout(tmp_path):
     start = time.monotonic()
     worker.shutdown()
     assert time.monotonic() - start < 2.0
+
+
+def _hung_reads(worker):
+    """Reads that never return (a hung volume): the I/O ids they were given, and a way
+    to make one return late, as a stuck read finally would."""
+    from kvtier_offload.store import JobOutcome
+
+    calls: list[tuple[int, list[bytes]]] = []
+    worker.store.load_rows = lambda job_id, keys, rows, ids: calls.append((job_id, list(keys)))
+
+    def returns(n: int) -> None:
+        job_id, keys = calls[n]
+        with worker.store._lock:
+            worker.store._finished.append(JobOutcome(job_id, "load", keys, [True] * len(keys)))
+
+    return calls, returns
+
+
+def test_a_load_that_never_returns_is_failed_after_load_timeout(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches, load_timeout=0.2)
+    keys = [bytes([b]) * 36 for b in (1, 2)]
+    calls, returns = _hung_reads(worker)
+    before = [t.tensor[9].clone() for t in caches.tensors]
+    free = worker.arena.free_rows
+    worker.submit_load(7, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([9, 10], [2], [0]))
+    assert finish(worker, {7}, timeout=5) == {7: False}
+    assert worker.take_load_errors() == {7: [9, 10]}
+    assert worker.arena.free_rows == free - 2, "staging a stuck read may still write was freed"
+    returns(0)  # the read comes back at last: ignored, its staging returned
+    assert worker.get_finished() == [] and worker.take_load_errors() == {}
+    assert worker.arena.free_rows == free
+    for t, old in zip(caches.tensors, before, strict=True):
+        assert torch.equal(t.tensor[9], old)
+    worker.shutdown()
+
+
+def test_wait_on_a_load_that_never_returns_is_bounded(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker = make_worker(tmp_path, kv_caches("per-layer", DTYPES["bf16"], "cpu"),
+                         load_timeout=0.2)
+    _hung_reads(worker)
+    worker.submit_load(8, KvtierLoadStoreSpec([b"\x01" * 36]), GPULoadStoreSpec([4], [1], [0]))
+    _returns_within(lambda: worker.wait({8}))
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(8, False)]
+    worker.shutdown()
