@@ -469,6 +469,7 @@ def test_a_load_that_never_returns_is_failed_after_load_timeout(tmp_path):
     free = worker.arena.free_rows
     worker.submit_load(7, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([9, 10], [2], [0]))
     assert finish(worker, {7}, timeout=5) == {7: False}
+    assert len(calls) == 1  # one read, still in flight
     assert worker.take_load_errors() == {7: [9, 10]}
     assert worker.arena.free_rows == free - 2, "staging a stuck read may still write was freed"
     returns(0)  # the read comes back at last: ignored, its staging returned
