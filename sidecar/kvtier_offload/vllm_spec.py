@@ -121,10 +121,12 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def __init__(self, stores: BlockStore | Sequence[BlockStore]) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
-        # Keys each recent request has loaded. vLLM does not tell the manager whether a
-        # load succeeded; a request that looks up a key it has loaded is one whose load
-        # failed (it is back to recompute), or one preempted since: a miss for it either
-        # way, or it would load the same unreadable file again and again.
+        # Keys each request has loaded, while its load may have failed. vLLM's
+        # complete_load() does not say whether it succeeded: a request that looks up a
+        # key it loaded is taken to be back from a failed load (to recompute), and gets a
+        # miss, or it would load the same unreadable file again and again. kvtier's
+        # connector clears a request's entry once its loads are known good
+        # (loads_succeeded), and every entry goes when its request finishes.
         self._loaded: OrderedDict[str, set[bytes]] = OrderedDict()
 
     @property
@@ -158,6 +160,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self._loaded.move_to_end(req_context.req_id)
         while len(self._loaded) > LOADED_REQUESTS:
             self._loaded.popitem(last=False)
+
+    def loads_succeeded(self, req_ids: Iterable[str]) -> None:
+        """These requests' loads so far all succeeded (a preempted one may hit them)."""
+        for req_id in req_ids:
+            self._loaded.pop(req_id, None)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._loaded.pop(req_context.req_id, None)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
