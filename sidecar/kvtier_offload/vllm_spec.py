@@ -262,10 +262,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.rows.view(wide)
         self._widths = [v.shape[1] for v in self._views]
-        # Rows per piece: bounds the device scratch of one copy, and leaves room for a
-        # job's next piece to be copied while this one is written or read.
+        # Rows per piece: bounds the device scratch of one copy (a gather holds its
+        # index_select parts and their concatenation at once: twice the piece), and
+        # leaves room for a job's next piece to be copied while this one is written or
+        # read.
         rows = self.arena.num_rows
-        self.piece_rows = max(1, min(max_device_temp_bytes // self.page_total, rows // 4))
+        self.piece_rows = max(1, min(max_device_temp_bytes // (2 * self.page_total),
+                                     rows // 4))
         # Stores may hold all but one piece's worth: a load always finds room soon.
         self.store_rows_cap = max(1, rows - self.piece_rows)
         # Store pieces waiting for staging hold no memory, only the GPU blocks vLLM keeps

@@ -492,3 +492,14 @@ def test_wait_on_a_load_that_never_returns_is_bounded(tmp_path):
     _returns_within(lambda: worker.wait({8}))
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(8, False)]
     worker.shutdown()
+
+
+def test_a_pieces_device_scratch_stays_within_max_device_temp_bytes(tmp_path):
+    """A gather holds its index_select parts and their concatenation at once."""
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=64)
+    page = _page(caches)
+    worker = make_worker(tmp_path, caches, max_device_temp_bytes=8 * page,
+                         max_staging_bytes=1 << 24)
+    assert worker.piece_rows * 4 <= worker.arena.num_rows  # the temp bound is what binds
+    assert 0 < 2 * worker.piece_rows * page <= 8 * page
+    worker.shutdown()
