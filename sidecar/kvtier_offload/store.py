@@ -95,6 +95,14 @@ class StoreConfig:
     write_queue_seconds: float = 10.0  # drop stores that would wait longer than this
     lookup_hit_ttl: float = 10.0
     lookup_miss_ttl: float = 1.0
+    # A key not yet stat'ed by the lookup threads is "ask again" (None) for at most this
+    # long, then a miss until they answer (a hung or slow volume costs a recompute, never
+    # a request held back for good); capped at half of lookup_hit_ttl, so the hits a
+    # request's lookups found are still valid when its last key is answered.
+    lookup_pending_seconds: float = 1.0
+    lookup_threads: int = 4
+    # Keys waiting for a stat at most; past it a new key is a miss at once.
+    lookup_queue_limit: int = 65_536
     lookup_cache_entries: int = 500_000
     touch_interval: float = 60.0  # refresh a hit file's atime at most this often
 
@@ -344,7 +352,7 @@ class BlockStore:
         self._finished: deque[JobOutcome] = deque()
         self._cache: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._lookup_queue: deque[bytes] = deque()
-        self._lookup_pending: set[bytes] = set()
+        self._lookup_pending: dict[bytes, float] = {}  # key -> when first asked
         self._lookup_cv = threading.Condition()
         self._write_bps = 0.0  # EMA of store throughput, bytes/s
         self._queued_write_bytes = 0
@@ -368,9 +376,11 @@ class BlockStore:
         if limit and limit < reads + writes:
             reads, writes = limit, 0  # every thread then takes loads before stores
         self._pool = IOPool(reads, writes)
-        self._lookup_thread = threading.Thread(target=self._lookup_loop, daemon=True,
-                                               name="kvtier-lookup")
-        self._lookup_thread.start()
+        self._lookup_threads = [
+            threading.Thread(target=self._lookup_loop, daemon=True, name=f"kvtier-lookup-{n}")
+            for n in range(max(1, config.lookup_threads))]
+        for thread in self._lookup_threads:
+            thread.start()
 
     # ------------------------------------------------------------- helpers
 
@@ -477,12 +487,34 @@ class BlockStore:
         cached = self._cached(key)
         if cached is not None:
             return cached
+        now = time.monotonic()
         with self._lookup_cv:
-            if key not in self._lookup_pending:
-                self._lookup_pending.add(key)
+            asked = self._lookup_pending.get(key)
+            if asked is None:
+                if len(self._lookup_pending) >= self.cfg.lookup_queue_limit:
+                    return self._overdue()
+                self._lookup_pending[key] = asked = now
                 self._lookup_queue.append(key)
                 self._lookup_cv.notify()
+        if now - asked > self._pending_seconds:
+            return self._overdue()
         return None
+
+    @property
+    def _pending_seconds(self) -> float:
+        return min(self.cfg.lookup_pending_seconds, self.cfg.lookup_hit_ttl / 2)
+
+    def _overdue(self) -> bool:
+        """A lookup the volume did not answer in time: a miss (vLLM recomputes)."""
+        self.metrics.lookups.labels("overdue").inc()
+        self._log_once("lookup-overdue", "kvtier lookups are not answered within %.1fs "
+                       "(a slow or hung volume?); answering miss meanwhile",
+                       self._pending_seconds)
+        return False
+
+    def cached(self, key: bytes) -> bool | None:
+        """The lookup cache's answer for key, never a stat: None where it has none."""
+        return self._cached(key) if key_fits(key) else None
 
     def lookup_now(self, keys: Sequence[bytes]) -> list[bool]:
         """Synchronous, batched: cached answers, a stat for the rest."""
@@ -502,12 +534,16 @@ class BlockStore:
                     self._lookup_cv.wait()
                 if self._closed:
                     return
-                batch = [self._lookup_queue.popleft()
-                         for _ in range(min(len(self._lookup_queue), 1024))]
-            for key in batch:
-                self._stat_key(key)
-            with self._lookup_cv:
-                self._lookup_pending.difference_update(batch)
+                # a share of the queue: every lookup thread gets some of a long scan
+                share = -(-len(self._lookup_queue) // len(self._lookup_threads))
+                batch = [self._lookup_queue.popleft() for _ in range(min(share, 64))]
+            try:
+                for key in batch:
+                    self._stat_key(key)
+            finally:
+                with self._lookup_cv:
+                    for key in batch:
+                        self._lookup_pending.pop(key, None)
 
     def forget(self, key: bytes) -> None:
         if not key_fits(key):
@@ -1109,8 +1145,9 @@ class BlockStore:
         with self._lookup_cv:
             self._lookup_cv.notify_all()
         stopped = self._pool.close(_left(deadline))
-        self._lookup_thread.join(_left(deadline))
-        if drained and stopped and not self._lookup_thread.is_alive():
+        for thread in self._lookup_threads:
+            thread.join(_left(deadline))
+        if drained and stopped and not any(t.is_alive() for t in self._lookup_threads):
             return True
         log.warning("kvtier: closed with threads still stuck after %.1fs; left them behind",
                     timeout)

@@ -113,6 +113,19 @@ class KvtierOffloadingConnector(OffloadingConnector):
             failed_recving=failed,
         )
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        # vLLM tells the manager a load is complete, never whether it succeeded; it is
+        # told here: requests done receiving in a step without any load error loaded
+        # well, so a preempted one may hit those blocks again (a step with an error
+        # keeps every request of it a miss for what it loaded: safe, not exact).
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        succeeded = getattr(manager, "loads_succeeded", None)
+        if succeeded is None or connector_output.invalid_block_ids or \
+                connector_output.failed_recving:
+            return
+        succeeded(connector_output.finished_recving or ())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_transfer_results(), in the same step: the errors of
         # a request arrive no later than the step that reports it finished receiving.

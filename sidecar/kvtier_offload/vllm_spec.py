@@ -43,8 +43,6 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
-    Medium,
-    OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
@@ -106,6 +104,10 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
         write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
         # the manager must stat the volume, never trust what it was told
         lookup_hit_ttl=float(extra.get("lookup_hit_ttl", 2.0)),
+        # a key the volume has not answered within this is a miss (never a request
+        # held back for good); only the manager looks keys up
+        lookup_pending_seconds=float(extra.get("lookup_pending_seconds", 1.0)),
+        lookup_threads=int(extra.get("n_lookup_threads", 4)) if lookups_only else 1,
     ))
 
 
@@ -117,13 +119,14 @@ class KvtierOffloadingManager(OffloadingManager):
     first). A key is stored only where every rank's file is there: a rank's store may be
     dropped (write queue full, backoff, free-space floor) or its file evicted alone."""
 
-    def __init__(self, stores: BlockStore | Sequence[BlockStore], events: bool = False) -> None:
+    def __init__(self, stores: BlockStore | Sequence[BlockStore]) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
-        self._events: list[OffloadingEvent] | None = [] if events else None
-        # Keys each recent request has loaded. vLLM does not tell the manager whether a
-        # load succeeded; a request that looks up a key it has loaded is one whose load
-        # failed (it is back to recompute), or one preempted since: a miss for it either
-        # way, or it would load the same unreadable file again and again.
+        # Keys each request has loaded, while its load may have failed. vLLM's
+        # complete_load() does not say whether it succeeded: a request that looks up a
+        # key it loaded is taken to be back from a failed load (to recompute), and gets a
+        # miss, or it would load the same unreadable file again and again. kvtier's
+        # connector clears a request's entry once its loads are known good
+        # (loads_succeeded), and every entry goes when its request finishes.
         self._loaded: OrderedDict[str, set[bytes]] = OrderedDict()
 
     @property
@@ -131,13 +134,9 @@ class KvtierOffloadingManager(OffloadingManager):
         """Rank 0's files."""
         return self.stores[0]
 
-    def _on_every_rank(self, keys: Collection[OffloadKey]) -> list[bool]:
-        """Whether each key's file is there for every rank, now (stat where not cached)."""
-        raw = [bytes(k) for k in keys]
-        there = [True] * len(raw)
-        for store in self.stores:
-            there = [a and b for a, b in zip(there, store.lookup_now(raw), strict=True)]
-        return there
+    def _known_on_every_rank(self, key: bytes) -> bool:
+        """Whether the lookup cache says key's file is there for every rank (no stat)."""
+        return all(store.cached(key) for store in self.stores)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if bytes(key) in self._loaded.get(req_context.req_id, ()):
@@ -162,32 +161,31 @@ class KvtierOffloadingManager(OffloadingManager):
         while len(self._loaded) > LOADED_REQUESTS:
             self._loaded.popitem(last=False)
 
+    def loads_succeeded(self, req_ids: Iterable[str]) -> None:
+        """These requests' loads so far all succeeded (a preempted one may hit them)."""
+        for req_id in req_ids:
+            self._loaded.pop(req_id, None)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._loaded.pop(req_context.req_id, None)
+
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        # A key missing on any rank is stored again: ranks that have it skip the write.
-        new = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
-               if not there]
+        # From the lookup cache only: the scheduler's thread never stats the volume (a
+        # hung mount would stop the engine). A key not known to be there on every rank
+        # is stored; a rank whose file is there already skips the write on its I/O
+        # thread (the writer looks first and counts it as store "exists").
+        new = [k for k in keys if not self._known_on_every_rank(bytes(k))]
         return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        for store in self.stores:  # whatever the workers said, let the next lookup look
+        # Whatever the workers said (a dropped store is reported done too), the next
+        # lookup looks again, on the lookup threads. No KV events: see get_manager.
+        for store in self.stores:
             for key in keys:
                 store.forget(bytes(key))
-        if self._events is not None and keys:
-            # Announce only what really landed: a dropped store was reported "done" too.
-            landed = [k for k, there in zip(keys, self._on_every_rank(keys), strict=True)
-                      if there]
-            if landed:
-                self._events.append(OffloadingEvent(keys=list(landed), medium=Medium.STORAGE,
-                                                    removed=False))
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
-            return ()
-        out, self._events = self._events, []
-        return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -209,6 +207,7 @@ class _Job:
     queued: int = 0  # pieces waiting for staging
     moved: int = 0  # blocks copied all the way
     failed: list[int] = field(default_factory=list)  # load: GPU block ids not loaded
+    expired: bool = False  # load: past load_timeout, its unread blocks given up
 
 
 @dataclass
@@ -222,6 +221,7 @@ class _Piece:
     block_ids: np.ndarray
     run: Run | None = None
     fence: Any = None
+    abandoned: bool = False  # load: its job gave up on it; the read may still return
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -246,7 +246,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
                  blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
                  max_device_temp_bytes: int = 64 << 20,
-                 shutdown_timeout: float = 10.0) -> None:
+                 shutdown_timeout: float = 10.0, load_timeout: float = 30.0) -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -257,14 +257,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.device = tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.shutdown_timeout = shutdown_timeout
+        self.load_timeout = load_timeout
         self.arena = StagingArena(self.page_total, self.cuda, max_staging_bytes)
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.rows.view(wide)
         self._widths = [v.shape[1] for v in self._views]
-        # Rows per piece: bounds the device scratch of one copy, and leaves room for a
-        # job's next piece to be copied while this one is written or read.
+        # Rows per piece: bounds the device scratch of one copy (a gather holds its
+        # index_select parts and their concatenation at once: twice the piece), and
+        # leaves room for a job's next piece to be copied while this one is written or
+        # read.
         rows = self.arena.num_rows
-        self.piece_rows = max(1, min(max_device_temp_bytes // self.page_total, rows // 4))
+        self.piece_rows = max(1, min(max_device_temp_bytes // (2 * self.page_total),
+                                     rows // 4))
         # Stores may hold all but one piece's worth: a load always finds room soon.
         self.store_rows_cap = max(1, rows - self.piece_rows)
         # Store pieces waiting for staging hold no memory, only the GPU blocks vLLM keeps
@@ -500,8 +504,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             else:
                 still.append(piece)
         self._copying_out = still
+        self._expire_loads()
         for outcome in self.store.finished():
             piece = self._io.pop(outcome.job_id)
+            if piece.abandoned:  # late: its job was reported failed; the read is over,
+                assert piece.run is not None  # so its staging rows are free again
+                self.arena.give(piece.run)
+                piece.run = None
+                continue
             if outcome.kind == "store":
                 piece.job.moved += sum(outcome.ok)
                 self._release(piece)
@@ -516,6 +526,41 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._copying_in = still
         self._start_loads()  # loads first: a cache hit must not wait behind stores
         self._start_stores()
+
+    def _expire_loads(self) -> None:
+        """Fail the load jobs older than load_timeout (a read that never returns, a hung
+        volume): their pieces still waiting for staging or for the volume are given up,
+        their blocks reported unloaded (vLLM recomputes them). A piece given up while
+        its read is in flight keeps its staging rows until the read returns (the I/O
+        thread may still write them); its result is then ignored. Pieces already
+        copying to the GPU finish as usual."""
+        if not self._loads:
+            return
+        now = time.monotonic()
+        late = {job.job_id for job in self._loads.values()
+                if not job.expired and now - job.started > self.load_timeout}
+        if not late:
+            return
+        kept: deque[_Piece] = deque()
+        for piece in self._load_waiting:
+            if piece.job.job_id in late:
+                piece.job.failed.extend(int(b) for b in piece.block_ids)
+                piece.job.queued -= 1
+            else:
+                kept.append(piece)
+        self._load_waiting = kept
+        for piece in self._io.values():
+            if piece.job.kind == "load" and piece.job.job_id in late and not piece.abandoned:
+                piece.abandoned = True
+                piece.job.failed.extend(int(b) for b in piece.block_ids)
+                piece.job.in_flight -= 1
+        for job_id in late:
+            job = self._loads[job_id]
+            job.expired = True
+            log.warning("kvtier: load job %d not done after %.1fs (a slow or hung volume?); "
+                        "reporting its unread blocks failed, vLLM recomputes them",
+                        job_id, self.load_timeout)
+            self._maybe_finish(job)
 
     def _report(self, job_id: int, success: bool, size: int, started: float) -> None:
         self._done.append(TransferResult(job_id=job_id, success=success, transfer_size=size,
@@ -535,7 +580,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Stores: until their GPU source pages are copied (vLLM reuses the blocks next);
         their pieces still waiting for staging are dropped. Loads: until their pages are
-        in the KV cache (or reported failed)."""
+        in the KV cache or reported failed, which takes at most load_timeout."""
         kept: deque[_Piece] = deque()
         for piece in self._store_waiting:
             if piece.job.job_id in job_ids:
@@ -579,12 +624,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 store = _store(self, fields, lookups_only=True)
                 store.layout.write_config(fields)
                 stores.append(store)
-            self._manager = KvtierOffloadingManager(
-                stores, events=self.kv_events_config.enable_kv_cache_events)
+            if self.kv_events_config.enable_kv_cache_events:
+                # kvtier never learns of evictions (the evictor removes files on its
+                # own), so "stored" events would tell routers of blocks long gone, and
+                # vLLM's tracker would keep a payload per key forever.
+                log.warning("kvtier: KV cache events for the storage medium are not "
+                            "published in GPU-direct mode (KvtierOffloadingSpec); GPU "
+                            "events are unaffected")
+            self._manager = KvtierOffloadingManager(stores)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KvtierOffloadingWorker(
             _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
-            shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)))
+            shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)),
+            load_timeout=float(self.extra_config.get("load_timeout_seconds", 30.0)))

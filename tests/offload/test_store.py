@@ -801,3 +801,63 @@ def test_a_new_file_format_gets_its_own_directory(monkeypatch):
     now = layout.fingerprint(config)
     monkeypatch.setattr(layout, "VERSION", layout.VERSION + 1)
     assert layout.fingerprint(config) != now
+
+
+# ------------------------------------------------ lookups on a slow or hung volume
+
+
+def _vllm_prefix_scan(store, ks, seconds=5.0):
+    """What vLLM's scheduler does each step: ask every key (a miss ends the prefix),
+    again while any answer is "ask again"; the hit prefix once none is. Fails if the
+    answers never settle within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        answers = []
+        for key in ks:
+            answers.append(store.lookup(key))
+            if answers[-1] is False:
+                break
+        if None not in answers:
+            return answers.index(False) if False in answers else len(answers)
+        time.sleep(0.001)
+    raise AssertionError("lookups never settled: the request would never be scheduled")
+
+
+def test_a_lookup_the_volume_never_answers_becomes_a_miss(make_store):
+    import threading
+
+    store = make_store(lookup_pending_seconds=0.05)
+    key = keys(1)[0]
+    run_store(store, 1, [(key, memoryview(bytearray(4096)))])
+    store.forget(key)
+    release = threading.Event()
+    real = store._stat_key
+    store._stat_key = lambda k: (release.wait(), real(k))[1]  # a hung mount
+    try:
+        assert store.lookup(key) is None  # asked: the lookup threads stat it
+        assert _vllm_prefix_scan(store, [key]) == 0  # unanswered in time: a miss
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while store.lookup(key) is not True:  # answered at last: a hit again
+        assert time.monotonic() < deadline
+
+
+def test_a_long_scan_on_a_slow_volume_settles_with_the_hits_it_found(make_store):
+    """Stats slower than the hit TTL allows for a whole prefix: hits must not expire
+    before the request can use them, and the keys not reached in time are a miss."""
+    ttl = 0.2
+    store = make_store(lookup_hit_ttl=ttl, lookup_threads=1)
+    ks = keys(40)
+    run_store(store, 1, [(k, memoryview(bytearray(4096))) for k in ks])
+    for k in ks:
+        store.forget(k)
+    real = store._stat_key
+
+    def slow(k):  # 40 keys at 10 ms: twice the hit TTL for the whole scan
+        time.sleep(0.01)
+        return real(k)
+
+    store._stat_key = slow
+    hits = _vllm_prefix_scan(store, ks)
+    assert 0 < hits < len(ks)

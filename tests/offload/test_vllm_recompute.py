@@ -284,6 +284,38 @@ def test_a_request_back_from_a_failed_load_misses_what_it_loaded(tp2):
     assert _lookup(tp2.manager, tp2.key, "other") is LookupResult.HIT
 
 
+def test_a_preempted_request_whose_load_succeeded_hits_again(tp2):
+    """kvtier's connector tells the manager which loads went well: a request preempted
+    after a good load finds its blocks again instead of recomputing its whole prefix,
+    while one in a step with a load error still misses them."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    connector = object.__new__(KvtierOffloadingConnector)
+    connector.connector_scheduler = SimpleNamespace(
+        manager=tp2.manager, update_connector_output=lambda output: None)
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    for req_id in ("good", "bad"):
+        tp2.manager.complete_load([tp2.key], ReqContext(req_id=req_id))
+    connector.update_connector_output(KVConnectorOutput(
+        finished_recving={"bad"}, invalid_block_ids={3}))
+    connector.update_connector_output(KVConnectorOutput(finished_recving={"good"}))
+    assert _lookup(tp2.manager, tp2.key, "good") is LookupResult.HIT
+    assert tp2.manager.lookup(tp2.key, ReqContext(req_id="bad")) is LookupResult.MISS
+
+
+def test_the_manager_forgets_a_request_when_it_finishes(tp2):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT
+    tp2.manager.complete_load([tp2.key], ReqContext(req_id="r"))
+    tp2.manager.on_request_finished(ReqContext(req_id="r"))
+    assert tp2.manager._loaded == {}
+    assert _lookup(tp2.manager, tp2.key) is LookupResult.HIT  # the id may come back
+
+
 def _results(worker, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not (out := worker.get_finished()):

@@ -42,28 +42,85 @@ def test_spec_refuses_multi_block_chunks(tmp_path):
                                kv_caches("per-layer", DTYPES["bf16"], "cpu"), 2)
 
 
-def test_manager_announces_only_blocks_that_landed(tmp_path):
-    from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+def _hung_stats(store):
+    """Every stat of the volume hangs (a hung NFS mount) until the returned event is
+    set; the returned list names the threads that tried."""
+    import threading
+
+    release, callers = threading.Event(), []
+    real = store._stat_key
+
+    def hung(key):
+        callers.append(threading.current_thread().name)
+        release.wait()
+        return real(key)
+
+    store._stat_key = hung
+    return release, callers
+
+
+def _returns_within(fn, seconds=5.0):
+    """fn() run on a helper thread: its result, or a failure if it is still blocked."""
+    import threading
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, "blocked: the scheduler's thread waited for the volume"
+    return out[0]
+
+
+def test_prepare_store_and_complete_store_never_stat_on_the_scheduler_thread(tmp_path):
+    """A hung volume must not hang vLLM's engine thread: prepare_store answers from the
+    lookup cache (an unknown key is stored; the writer skips a file already there)."""
+    from vllm.v1.kv_offload.base import ReqContext
 
     from kvtier_offload.store import BlockStore, StoreConfig
     from kvtier_offload.vllm_spec import KvtierOffloadingManager
 
     store = BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16))
-    manager = KvtierOffloadingManager(store, events=True)
+    known = b"\x03" * 36
+    store.store(1, [(known, memoryview(bytearray(4096)))])
+    store.drain()  # written: the lookup cache knows it
+    manager = KvtierOffloadingManager(store)
+    release, callers = _hung_stats(store)
     ctx = ReqContext(req_id="r")
-    landed, dropped = b"\x01" * 36, b"\x02" * 36
-    out = manager.prepare_store([landed, dropped], ctx)
-    assert out.keys_to_store == [landed, dropped]
-    store.store(1, [(landed, memoryview(bytearray(4096)))])
-    store.drain()
-    manager.complete_store([landed, dropped], ctx, success=True)
-    (event,) = list(manager.take_events())
-    assert event.keys == [landed] and event.medium is Medium.STORAGE and not event.removed
-    assert manager.prepare_store([landed], ctx).keys_to_store == []
-    while (r := manager.lookup(dropped, ctx)) is LookupResult.RETRY:
-        pass
-    assert r is LookupResult.MISS
+    keys = [b"\x01" * 36, b"\x02" * 36, known]
+    try:
+        out = _returns_within(lambda: manager.prepare_store(keys, ctx))
+        assert out.keys_to_store == keys[:2]
+        _returns_within(lambda: manager.complete_store(keys, ctx, success=True))
+        assert list(manager.take_events()) == []
+        assert all(name.startswith("kvtier-lookup") for name in callers)
+    finally:
+        release.set()
     manager.shutdown()
+
+
+def test_a_store_of_a_file_already_there_is_skipped_not_rewritten(tmp_path):
+    """What makes storing an unknown key harmless: the writer looks first."""
+    import os
+
+    from kvtier_offload.store import BlockStore, StoreConfig
+
+    root = str(tmp_path)
+    first = BlockStore(StoreConfig(root=root, fingerprint="0" * 16))
+    key = b"\x05" * 36
+    first.store(1, [(key, memoryview(bytearray(b"a" * 4096)))])
+    first.drain()
+    path = first.layout.path(key)
+    inode = os.stat(path).st_ino
+    second = BlockStore(StoreConfig(root=root, fingerprint="0" * 16))  # cache empty
+    exists = second.metrics.operations.labels("store", "exists")
+    before = exists._value.get()
+    second.store(2, [(key, memoryview(bytearray(b"b" * 4096)))])
+    second.drain()
+    (outcome,) = second.finished()
+    assert outcome.ok == [True] and os.stat(path).st_ino == inode
+    assert exists._value.get() == before + 1
+    first.close()
+    second.close()
 
 
 class HeldFence:
@@ -381,3 +438,68 @@ def test_shutdown_with_jobs_in_flight_returns_within_its_timeout(tmp_path):
     start = time.monotonic()
     worker.shutdown()
     assert time.monotonic() - start < 2.0
+
+
+def _hung_reads(worker):
+    """Reads that never return (a hung volume): the I/O ids they were given, and a way
+    to make one return late, as a stuck read finally would."""
+    from kvtier_offload.store import JobOutcome
+
+    calls: list[tuple[int, list[bytes]]] = []
+    worker.store.load_rows = lambda job_id, keys, rows, ids: calls.append((job_id, list(keys)))
+
+    def returns(n: int) -> None:
+        job_id, keys = calls[n]
+        with worker.store._lock:
+            worker.store._finished.append(JobOutcome(job_id, "load", keys, [True] * len(keys)))
+
+    return calls, returns
+
+
+def test_a_load_that_never_returns_is_failed_after_load_timeout(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches, load_timeout=0.2)
+    keys = [bytes([b]) * 36 for b in (1, 2)]
+    calls, returns = _hung_reads(worker)
+    before = [t.tensor[9].clone() for t in caches.tensors]
+    free = worker.arena.free_rows
+    worker.submit_load(7, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([9, 10], [2], [0]))
+    assert finish(worker, {7}, timeout=5) == {7: False}
+    assert len(calls) == 1  # one read, still in flight
+    assert worker.take_load_errors() == {7: [9, 10]}
+    assert worker.arena.free_rows == free - 2, "staging a stuck read may still write was freed"
+    returns(0)  # the read comes back at last: ignored, its staging returned
+    assert worker.get_finished() == [] and worker.take_load_errors() == {}
+    assert worker.arena.free_rows == free
+    for t, old in zip(caches.tensors, before, strict=True):
+        assert torch.equal(t.tensor[9], old)
+    worker.shutdown()
+
+
+def test_wait_on_a_load_that_never_returns_is_bounded(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    worker = make_worker(tmp_path, kv_caches("per-layer", DTYPES["bf16"], "cpu"),
+                         load_timeout=0.2)
+    _hung_reads(worker)
+    worker.submit_load(8, KvtierLoadStoreSpec([b"\x01" * 36]), GPULoadStoreSpec([4], [1], [0]))
+    _returns_within(lambda: worker.wait({8}))
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(8, False)]
+    worker.shutdown()
+
+
+def test_a_pieces_device_scratch_stays_within_max_device_temp_bytes(tmp_path):
+    """A gather holds its index_select parts and their concatenation at once."""
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=64)
+    page = _page(caches)
+    worker = make_worker(tmp_path, caches, max_device_temp_bytes=8 * page,
+                         max_staging_bytes=1 << 24)
+    assert worker.piece_rows * 4 <= worker.arena.num_rows  # the temp bound is what binds
+    assert 0 < 2 * worker.piece_rows * page <= 8 * page
+    worker.shutdown()
