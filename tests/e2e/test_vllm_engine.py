@@ -70,7 +70,8 @@ def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, tmp_path):
     middle of a cached prefix): the engine answers exactly as without offloading, keeps
     serving, and the file is gone and counted. vLLM's own OffloadingConnector stops the
     engine here (AssertionError: a transfer failed); kvtier's connector recomputes."""
-    from tests.e2e.recompute import CASES
+    from tests.e2e.engine import BLOCK_SIZE
+    from tests.e2e.recompute import BROKEN_BLOCK, CASES
 
     seeds = ",".join(str(seed) for seed in CASES.values())
     expected = dict(zip(CASES, engine(model, seeds=seeds)["all_tokens"], strict=True))
@@ -81,6 +82,12 @@ def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, tmp_path):
         assert run["tokens"] == expected[how], f"{how}: wrong tokens after the recompute"
         assert run["again"] == expected[how], f"{how}: the engine no longer serves right"
         assert not run["victim_exists"], f"{how}: the bad file is still there"
+        if how == "deleted" and run["counted"][counter] == 0:
+            # The manager stats a key again after it stored it (it never trusts a store
+            # landed), so a file deleted before that lookup is a miss there, which is
+            # cheaper than a failed load: the prefix is cached up to the gap only.
+            assert run["cached"] == (BROKEN_BLOCK - 1) * BLOCK_SIZE, run
+            continue
         assert run["counted"][counter] >= 1, f"{how}: not counted: {run['counted']}"
 
 
