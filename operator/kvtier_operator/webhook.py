@@ -197,7 +197,7 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
              lanes: AdmissionLanes | None = None) -> web.Application:
     lanes = lanes or AdmissionLanes()
 
-    budget = {"free": BODY_BUDGET}
+    free = BODY_BUDGET  # bytes of request bodies not yet reserved
 
     async def review(request: web.Request, path: str) -> web.Response:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -207,14 +207,15 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
         size = request.content_length if request.content_length is not None else MAX_BODY
         if size > MAX_BODY:
             return web.json_response({"error": f"body over {MAX_BODY} bytes"}, status=413)
-        if size > budget["free"]:
+        nonlocal free
+        if size > free:
             return web.json_response({"error": "the kvtier webhook is busy (request bodies "
                                       "in progress); retry later"}, status=503)
-        budget["free"] -= size
+        free -= size
         try:
             return await _review(request, path)
         finally:
-            budget["free"] += size
+            free += size
 
     async def _review(request: web.Request, path: str) -> web.Response:
         started = time.perf_counter()

@@ -128,16 +128,17 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[di
 
 def _add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     """Pass the config to vLLM: the JSON (with every `$` doubled for the kubelet) as two
-    more argv words in exec form, or SCRIPT_OPTION after the entry point of a `sh -c`
-    script. Returns why not (and changes nothing) when kvtier cannot be certain where."""
+    more argv words in exec form, or SCRIPT_OPTION after the command that starts vLLM in
+    a `sh -c` script. Returns why not (and changes nothing) when kvtier cannot be certain where."""
     name = container.get("name")
     command = [str(p) for p in container.get("command") or []]
     args = [str(p) for p in container.get("args") or []]
     words = command + args
-    if len(command_line(container)) > MAX_COMMAND_CHARS:
+    line = " ".join(words)  # command_line(container), built once
+    if len(line) > MAX_COMMAND_CHARS:
         return (f"the command line of container {name!r} is longer than the "
                 f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
-    if names.ENV_KV_TRANSFER_CONFIG in command_line(container):
+    if names.ENV_KV_TRANSFER_CONFIG in line:
         return (f"the command line of container {name!r} mentions "
                 f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
     start = vllm_entry.program_start(words)
