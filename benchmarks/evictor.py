@@ -98,7 +98,7 @@ def glusterfs(n: int = GLUSTER_FILES) -> None:
     now = time.time()
     try:
         with gluster_volume(Path(tempfile.mkdtemp(prefix="kvtier-bench-evictor-gluster-")),
-                            size_mib=512, mounts=1) as vol:
+                            size_mib=512, mounts=1, bytes_per_inode=4096) as vol:
             root = str(vol.mounts[0] / "a")
             t = time.perf_counter()
             with ThreadPoolExecutor(16) as pool:

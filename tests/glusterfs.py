@@ -79,7 +79,8 @@ def unavailable_reason() -> str | None:
 
 @contextlib.contextmanager
 def gluster_volume(base: Path, size_mib: int = 256, mounts: int = 2,
-                   name: str | None = None) -> Iterator[GlusterVolume]:
+                   name: str | None = None,
+                   bytes_per_inode: int | None = None) -> Iterator[GlusterVolume]:
     """Start glusterd, create and start a one-brick volume of about size_mib on a loop
     ext4 image under base, mount it `mounts` times; undo all of it on exit."""
     reason = unavailable_reason()
@@ -95,7 +96,10 @@ def gluster_volume(base: Path, size_mib: int = 256, mounts: int = 2,
         image, brick_mnt = base / "brick.img", base / "brick"
         _run(["truncate", "-s", f"{size_mib}M", str(image)])
         undo.append(lambda: image.unlink(missing_ok=True))
-        _run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)])
+        # Many small files need more inodes than ext4's default (one per 16 KiB); GlusterFS
+        # adds a directory per gfid prefix of its own in the brick.
+        inodes = ["-i", str(bytes_per_inode)] if bytes_per_inode else []
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", *inodes, str(image)])
         brick_mnt.mkdir(exist_ok=True)
         _run(["mount", "-o", "loop", str(image), str(brick_mnt)])
         undo.append(lambda: _umount(brick_mnt))
