@@ -21,6 +21,10 @@ VARIANTS = {
     "native-gpu-direct": {"cpu": None, "storage": {"backend": "kvtier"}},
     "lmcache-cpu": {"connector": "lmcache", "storage": None},
     "lmcache-disk": {"connector": "lmcache"},
+    "mooncake-store": {"connector": "mooncake-store", "storage": None,
+                       "mooncake": {"configMapName": "mooncake-config"}},
+    "kvbm": {"connector": "kvbm", "storage": None},
+    "tpu": {"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128}},
 }
 
 

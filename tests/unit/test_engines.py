@@ -1,0 +1,235 @@
+"""The engine/connector registry and the adapters beyond vLLM on GPU: TPU (single- and
+multi-host), Mooncake Store and KVBM render offline, and invalid pairs are refused with
+messages that name the field and what is allowed, by the models and by the CRD's CEL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from kvtier_demo.samples import sample_workload
+from kvtier_operator.engines.registry import ADAPTERS, adapter_for
+from kvtier_operator.loading import InvalidResource, parse_tpc
+from kvtier_operator.quantity import MIB, quantity_bytes
+from kvtier_operator.render import names, sizing
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.objects import render_objects
+from kvtier_operator.render.pod import inject, inject_workload
+from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
+from tests.helpers import EXAMPLES, ROOT, example, tpc_doc
+from tests.unit.test_crd import _failed_messages, _schema_defaults
+
+CTX = RenderContext()
+TPU = {"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128},
+       "cpu": {"size": "800000Mi"}}
+MOONCAKE = {"connector": "mooncake-store", "storage": None,
+            "mooncake": {"configMapName": "mooncake-config"}}
+KVBM = {"connector": "kvbm", "storage": None, "cpu": {"size": "100G"}}
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env") or []}
+
+
+def pods_of(workload: dict) -> list[dict]:
+    out, _ = inject_workload(parse_tpc(example("vllm-tpu-multi-host.yaml")), workload, CTX)
+    group = out["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_every_adapter_is_documented_and_has_an_example():
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    crs = [yaml.safe_load(p.read_text()) for p in EXAMPLES.glob("*.yaml")]
+    pairs = {(d["spec"].get("engine", "vllm"), d["spec"].get("connector", "native"))
+             for d in crs if d["kind"] == "TieredPrefixCache"}
+    for adapter in ADAPTERS:
+        assert f"`{type(adapter).__module__.rsplit('.', 1)[1]}.{type(adapter).__name__}`" \
+            in arch, adapter
+        assert (str(adapter.engine), str(adapter.connector)) in pairs, adapter
+
+
+def test_existing_specs_keep_the_vllm_gpu_default():
+    spec = parse_tpc(tpc_doc()).spec
+    assert (spec.engine, spec.connector) == ("vllm", "native")
+    assert type(adapter_for(spec)).__name__ == "VllmNative"
+
+
+# ------------------------------------------------------------ vLLM on TPU
+
+
+def test_tpu_single_host_renders_connector_env_and_host_memory():
+    tpc = parse_tpc(example("vllm-tpu-single-host.yaml"))
+    workload = yaml.safe_load((EXAMPLES / sample_workload(example(
+        "vllm-tpu-single-host.yaml"))).read_text())
+    out, conflicts = inject_workload(tpc, workload, CTX)
+    assert conflicts == []
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(c)
+    assert json.loads(env[names.ENV_KV_TRANSFER_CONFIG]) == {
+        "kv_connector": "TPUOffloadConnector",
+        "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector",
+        "kv_role": "kv_both"}
+    # The llm-d guide's numbers: 25,000 chunks of 128 tokens, 1,000 HBM staging blocks.
+    assert env["TPU_OFFLOAD_NUM_CPU_CHUNKS"] == "25000"
+    assert env["TPU_OFFLOAD_NUM_STAGING_BLOCKS"] == "1000"
+    assert "TPU_MULTIHOST_BACKEND" not in env
+    assert '--kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"' in c["args"][0]
+    # The pinned host tier (the guide forgets it) plus headroom; no /dev/shm added.
+    assert quantity_bytes(c["resources"]["requests"]["memory"]) == \
+        25000 * 128 * 262144 + sizing.PROCESS_HEADROOM_BYTES
+    assert "volumes" not in out["spec"]["template"]["spec"] or not any(
+        v["name"] == names.VOLUME_SHM for v in out["spec"]["template"]["spec"]["volumes"])
+    assert [o["kind"] for o in render_objects(tpc, CTX)] == ["ConfigMap"]  # no PVC/CronJob
+
+
+def test_tpu_multi_host_injects_leader_and_worker_and_routes_to_leaders():
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    leader, worker = pods_of(workload)
+    lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    assert "--kv-transfer-config" in lc["args"][0]
+    assert wc["args"] == workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"][
+        "containers"][0]["args"]  # the worker's command is left alone
+    for c in (lc, wc):
+        env = env_of(c)
+        assert env["TPU_OFFLOAD_NUM_CPU_CHUNKS"] == "10000"
+        assert env["TPU_MULTIHOST_BACKEND"] == "ray"
+        # Each of the 2 hosts pins half of every chunk.
+        assert quantity_bytes(c["resources"]["requests"]["memory"]) == \
+            10000 * 128 * 253952 // 2 + sizing.PROCESS_HEADROOM_BYTES
+    assert names.ENV_KV_TRANSFER_CONFIG not in env_of(wc)
+    assert leader["metadata"]["annotations"] == worker["metadata"]["annotations"]
+    tpc = parse_tpc(example("vllm-tpu-multi-host.yaml"))
+    (router,) = render_objects(tpc, CTX)
+    assert "lruCapacityPerServer: 80000" in router["data"][PLUGINS_FILE]  # 10k x 128 / 16
+    assert yaml.safe_load(router["data"][MODEL_SERVERS_FILE]) == {"modelServers": {
+        "matchLabels": {"llm-d.ai/model": "Qwen3-Coder-480B-A35B-Instruct",
+                        "leaderworkerset.sigs.k8s.io/worker-index": "0"}}}
+
+
+def test_tpu_worker_pod_alone_is_found_by_its_ray_command():
+    tpc = parse_tpc(tpc_doc({**TPU, "tpu": {"pageSize": 128, "hosts": 4}}))
+    pod = {"metadata": {"name": "w"}, "spec": {"containers": [
+        {"name": "sidecar", "image": "x", "command": ["sleep", "inf"]},
+        {"name": "ray", "image": "x", "command": ["sh", "-c",
+                                                  "ray start --block --address=$(LEADER):6379"]}]}}
+    result = inject(tpc, pod, CTX)
+    assert result.conflicts == [] and result.container == "ray"
+    assert "TPU_OFFLOAD_NUM_CPU_CHUNKS" in env_of(result.pod["spec"]["containers"][1])
+
+
+def test_tpu_router_capacity_counts_router_blocks_not_tpu_pages():
+    spec = parse_tpc(tpc_doc({**TPU, "router": {"enabled": True, "blockSize": 64}})).spec
+    assert adapter_for(spec).router_cpu_blocks(spec) == 25000 * 128 // 64
+
+
+def test_tpu_user_multihost_backend_other_than_ray_is_a_conflict():
+    tpc = parse_tpc(example("vllm-tpu-multi-host.yaml"))
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    c = workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    c["env"].append({"name": "TPU_MULTIHOST_BACKEND", "value": "mp"})
+    _, conflicts = inject_workload(tpc, workload, CTX)
+    assert any("TPU_MULTIHOST_BACKEND=mp" in c for c in conflicts)
+
+
+# ----------------------------------------------------------- Mooncake, KVBM
+
+
+def test_mooncake_store_mounts_its_configmap_and_names_prerequisites():
+    tpc = parse_tpc(example("mooncake-store.yaml"))
+    out, conflicts = inject_workload(tpc, example("vllm-deployment.yaml"), CTX)
+    assert conflicts == []
+    spec = out["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    env = env_of(c)
+    assert json.loads(env[names.ENV_KV_TRANSFER_CONFIG]) == {
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    assert env["MOONCAKE_CONFIG_PATH"] == "/etc/kvtier/mooncake/mooncake_config.json"
+    volume = next(v for v in spec["volumes"] if v["name"] == "kvtier-mooncake-config")
+    assert volume["configMap"]["name"] == "mooncake-store-config"
+    assert {"name": "kvtier-mooncake-config", "mountPath": "/etc/kvtier/mooncake",
+            "readOnly": True} in c["volumeMounts"]
+    # 80 GB lent to the store, on top of the pod's own request; /dev/shm untouched.
+    assert quantity_bytes(c["resources"]["requests"]["memory"]) == 100 * 1024**3 + \
+        -(-(80 * 10**9 + sizing.PROCESS_HEADROOM_BYTES) // MIB) * MIB
+    assert next(v for v in spec["volumes"] if v["name"] == "shm")["emptyDir"][
+        "sizeLimit"] == "20Gi"
+    assert "initContainers" not in spec
+    needs = adapter_for(tpc.spec).prerequisites(tpc)
+    assert [(p.kind, p.namespace, p.name, p.field) for p in needs] == [
+        ("ConfigMap", "llm-d", "mooncake-store-config", "spec.mooncake.configMapName"),
+        ("Service", "mooncake", "mooncake-master-store", "spec.mooncake.masterService")]
+    assert [o["kind"] for o in render_objects(tpc, CTX)] == ["ConfigMap"]  # router only
+
+
+def test_kvbm_sets_its_cpu_cache_in_whole_gb_and_pins_it():
+    tpc = parse_tpc(tpc_doc({**KVBM, "cpu": {"size": "100Gi"}}))
+    out, conflicts = inject_workload(tpc, example("vllm-deployment.yaml"), CTX)
+    assert conflicts == []
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(c)
+    assert env["DYN_KVBM_CPU_CACHE_GB"] == "107"  # 100 GiB = 107.37 GB, whole GB
+    assert json.loads(env[names.ENV_KV_TRANSFER_CONFIG])["kv_connector_module_path"] == \
+        "kvbm.vllm_integration.connector"
+    assert quantity_bytes(c["resources"]["requests"]["memory"]) == 100 * 1024**3 + \
+        -(-(107 * 10**9 + sizing.PROCESS_HEADROOM_BYTES) // MIB) * MIB
+    assert not any(o["kind"] == "CronJob" for o in render_objects(tpc, CTX))
+
+
+# ------------------------------------------------------------------ refusals
+
+REFUSED = [
+    ({**TPU, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: engine vllm-tpu and "
+     "connector native has no shared file tier"),
+    ({**TPU, "connector": "lmcache"}, "spec.connector: engine vllm-tpu takes connector native"),
+    ({**TPU, "tpu": None}, "spec.tpu is required with engine vllm-tpu"),
+    ({"tpu": {"pageSize": 16}}, "spec.tpu applies only to engine vllm-tpu"),
+    ({**TPU, "cpu": None}, "spec.cpu is required with engine vllm-tpu"),
+    ({**TPU, "cpu": {"size": "16Mi"}}, "spec.cpu.size 16Mi holds no TPU chunk"),
+    ({**TPU, "tpu": {"pageSize": 128, "stagingSize": "16Mi"}}, "spec.tpu.stagingSize"),
+    ({**MOONCAKE, "mooncake": None}, "spec.mooncake is required with engine vllm and "
+     "connector mooncake-store"),
+    ({**MOONCAKE, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: engine vllm and "
+     "connector mooncake-store has no shared file tier"),
+    ({"mooncake": {"configMapName": "x"}}, "spec.mooncake applies only to engine vllm with "
+     "connector mooncake-store"),
+    ({**KVBM, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: engine vllm and connector "
+     "kvbm has no shared file tier"),
+    ({**KVBM, "cpu": {"size": "900M"}}, "spec.cpu.size must be at least 1G"),
+    ({"connector": "lmcache", "storage": {"pvc": {"size": "1Ti"}, "backend": "vllm-fs"}},
+     "storage.backend must be unset with connector lmcache"),
+]
+
+
+@pytest.mark.parametrize(("patch", "needle"), REFUSED)
+def test_invalid_pairs_are_refused_naming_the_field(patch, needle):
+    with pytest.raises(InvalidResource) as err:
+        parse_tpc(tpc_doc(patch))
+    assert any(needle in m for m in err.value.messages), err.value.messages
+
+
+CEL_REFUSED = [
+    ({**TPU, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: a shared file tier"),
+    ({**TPU, "connector": "kvbm"}, "spec.connector is not possible with this spec.engine"),
+    ({**TPU, "tpu": None}, "spec.tpu is required with, and applies only to, engine vllm-tpu"),
+    ({"tpu": {"pageSize": 16}}, "spec.tpu is required with, and applies only to"),
+    ({**MOONCAKE, "mooncake": None}, "spec.mooncake is required with"),
+    ({**KVBM, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: a shared file tier"),
+    ({"connector": "lmcache", "storage": {"pvc": {"size": "1Ti"}, "backend": "kvtier"}},
+     "spec.storage.backend is not possible with this engine and connector"),
+]
+
+
+@pytest.mark.parametrize(("patch", "needle"), CEL_REFUSED)
+def test_the_api_server_refuses_the_same_pairs_first(patch, needle):
+    doc = _schema_defaults(tpc_doc(patch))
+    assert any(needle in m for m in _failed_messages(doc))
+
+
+@pytest.mark.parametrize("patch", [TPU, MOONCAKE, KVBM, {}])
+def test_the_api_server_accepts_valid_pairs(patch):
+    assert _failed_messages(_schema_defaults(tpc_doc(patch))) == []

