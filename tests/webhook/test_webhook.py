@@ -28,12 +28,16 @@ from kvtier_operator.webhook import (
     tls_context,
     watch_certificates,
 )
+from kvtier_demo.samples import VLLM_GPU, sample_workload
 from tests.helpers import EXAMPLES, tpc_doc
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
 K8S = kubernetes_validate.latest_version()
-VARIANTS = sorted(p.name for p in EXAMPLES.glob("*.yaml")
-                  if yaml.safe_load(p.read_text())["kind"] == "TieredPrefixCache")
+CR_EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))}
+CR_EXAMPLES = {n: d for n, d in CR_EXAMPLES.items() if d["kind"] == "TieredPrefixCache"}
+# vLLM-on-GPU variants meet the GPU pod shapes; the others meet their own workload's pods.
+VARIANTS = sorted(n for n, d in CR_EXAMPLES.items() if sample_workload(d) == VLLM_GPU)
+OTHER_ENGINES = sorted(n for n, d in CR_EXAMPLES.items() if sample_workload(d) != VLLM_GPU)
 
 
 def free_port() -> int:
@@ -217,6 +221,59 @@ async def test_server_survives_all_of_that(webhook):
     async with aiohttp.ClientSession() as session:
         async with session.get(webhook.url + "/healthz", ssl=webhook.client_ssl) as resp:
             assert resp.status == 200
+
+
+def workload_pods(workload_file):
+    """The pods a workload's controller would create (LeaderWorkerSet: leader and worker,
+    with the labels LWS adds)."""
+    workload = yaml.safe_load((EXAMPLES / workload_file).read_text())
+    if workload["kind"] == "LeaderWorkerSet":
+        group = workload["spec"]["leaderWorkerTemplate"]
+        templates = [(group["leaderTemplate"], "0"), (group["workerTemplate"], "1")]
+    else:
+        templates = [(workload["spec"]["template"], None)]
+    pods = []
+    for template, index in templates:
+        meta = copy.deepcopy(template["metadata"])
+        if index is not None:
+            meta["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = index
+        pods.append({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {**meta, "name": f"decode-{index or 0}", "namespace": "llm-d"},
+                     "spec": copy.deepcopy(template["spec"])})
+    return pods
+
+
+@pytest.mark.parametrize("variant", OTHER_ENGINES)
+async def test_other_engines_in_their_own_pod_shapes(webhook, variant):
+    """TPU single-host pods, TPU multi-host leaders and workers: patched over HTTPS, the
+    patch applied with an independent JSON-patch library, the result a valid Pod."""
+    doc = CR_EXAMPLES[variant]
+    webhook.caches.observe("ADDED", copy.deepcopy(doc))
+    for i, pod in enumerate(workload_pods(sample_workload(doc))):
+        status, answer = await webhook.post(MUTATE_PATH, review(pod, uid=f"u-{i}"))
+        assert status == 200 and answer["response"]["allowed"] is True
+        assert not answer["response"].get("warnings"), answer["response"]["warnings"]
+        patched = apply(pod, answer)
+        kubernetes_validate.validate(patched, K8S, strict=True)
+        (c,) = patched["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TPU_OFFLOAD_NUM_CPU_CHUNKS"].isdigit()
+        assert c["resources"]["requests"]["memory"]
+        serves = "vllm serve" in json.dumps(c)
+        assert ("--kv-transfer-config" in json.dumps(c)) == serves
+        assert patched["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
+        _, again = await webhook.post(MUTATE_PATH, review(patched, uid=f"v-{i}"))
+        assert "patch" not in again["response"]
+
+
+async def test_validating_webhook_refuses_an_impossible_engine_pair(webhook):
+    bad = tpc_doc({"engine": "vllm-tpu", "tpu": {"pageSize": 128}}, name="x",
+                  namespace="llm-d")  # keeps the base's storage.pvc
+    _, answer = await webhook.post(VALIDATE_PATH, review(bad))
+    r = answer["response"]
+    assert r["allowed"] is False and r["status"]["code"] == 422
+    assert "spec.storage: engine vllm-tpu and connector native has no shared file tier" in \
+        r["status"]["message"]
 
 
 async def test_validating_webhook(webhook):
