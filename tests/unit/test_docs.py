@@ -47,3 +47,23 @@ def test_geometry_table_matches_code(model):
     assert _num(row.strip("|").split("|")[-1]) == spec.model.bytes_per_token
 
 
+
+
+@pytest.mark.parametrize("name", ["vllm-tpu-single-host.yaml", "vllm-tpu-multi-host.yaml"])
+def test_tpu_worked_example_row_matches_code(name):
+    """docs/sizing.md's TPU rows are what kvtier computes for the examples."""
+    from kvtier_operator.engines.base import PodRole
+    from kvtier_operator.engines.registry import adapter_for
+    from tests.helpers import example
+
+    row = next(line for line in SIZING.splitlines() if line.startswith(f"| {name} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    spec = parse_tpc(example(name)).spec
+    adapter = adapter_for(spec)
+    pod = adapter.pod_sizing(spec, None, {}, PodRole.server)
+    assert pod.shm_bytes is None  # /dev/shm is left alone
+    assert _num(cells[1]) == sizing.tpu_chunk_bytes(spec) / MIB
+    assert _num(cells[2]) == sizing.tpu_cpu_chunks(spec)
+    assert _num(cells[3]) == sizing.tpu_staging_blocks(spec)
+    assert _num(cells[4]) == round(pod.memory_increase_bytes / GIB, 2)
+    assert _num(cells[5]) == adapter.router_cpu_blocks(spec)

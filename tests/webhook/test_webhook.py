@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from kvtier_demo.certs import make_certs
+from kvtier_demo.samples import VLLM_GPU, sample_workload
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.webhook import (
@@ -28,7 +29,6 @@ from kvtier_operator.webhook import (
     tls_context,
     watch_certificates,
 )
-from kvtier_demo.samples import VLLM_GPU, sample_workload
 from tests.helpers import EXAMPLES, tpc_doc
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
