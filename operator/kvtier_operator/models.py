@@ -77,6 +77,12 @@ ConfigMapName: TypeAlias = Annotated[
     str, AfterValidator(rules.CONFIG_MAP_NAME.check), rule_schema(rules.CONFIG_MAP_NAME)]
 ContainerName: TypeAlias = Annotated[
     str, AfterValidator(rules.CONTAINER_NAME.check), rule_schema(rules.CONTAINER_NAME)]
+ServiceName: TypeAlias = Annotated[
+    str, AfterValidator(rules.SERVICE_NAME.check), rule_schema(rules.SERVICE_NAME)]
+Namespace: TypeAlias = Annotated[
+    str, AfterValidator(rules.NAMESPACE.check), rule_schema(rules.NAMESPACE)]
+ConfigMapKey: TypeAlias = Annotated[
+    str, AfterValidator(rules.CONFIG_MAP_KEY.check), rule_schema(rules.CONFIG_MAP_KEY)]
 
 LabelKey: TypeAlias = Annotated[
     str, AfterValidator(rules.check_label_key), item_schema(rules.LABEL_KEY)]
@@ -95,6 +101,9 @@ GPU_DIRECT_NEEDS_STORAGE = (
 BLOCK_SIZE_WITH_CPU_TIER = (
     "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
     "one GPU block; remove blockSize")
+# Enum strings the CRD's CEL rules concatenate: a bound keeps the API server's cost
+# estimate small (an unbounded string is costed as the largest request).
+ENUM_BOUND: dict[str, Any] = {"maxLength": 32}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -107,9 +116,22 @@ class ApiModel(BaseModel):
     )
 
 
+class Engine(StrEnum):
+    """The model server in the selected pods (engines/ holds one adapter per engine and
+    connector)."""
+
+    vllm = "vllm"  # vLLM on NVIDIA GPUs
+    vllm_tpu = "vllm-tpu"  # vLLM on Google TPUs (tpu-inference)
+
+
 class Connector(StrEnum):
+    """How the engine offloads: native is the engine's own offloading (vLLM's
+    OffloadingConnector on GPU, tpu-inference's TPUOffloadConnector on TPU)."""
+
     native = "native"
     lmcache = "lmcache"
+    mooncake_store = "mooncake-store"
+    kvbm = "kvbm"
 
 
 class StorageBackend(StrEnum):
@@ -371,6 +393,7 @@ class StorageTier(ApiModel):
     )
     backend: StorageBackend | None = Field(
         default=None,
+        json_schema_extra=ENUM_BOUND,
         description="Who writes the shared files with connector native: kvtier (the "
         "injected kvtier backend; the default) or vllm-fs (vLLM's built-in fs tier). Leave "
         "unset with connector lmcache, which writes its own disk files.",
@@ -431,6 +454,52 @@ class StorageTier(ApiModel):
         if self.pvc is None and self.existing_claim is None:
             raise ValueError("needs pvc (a new claim) or existingClaim (the name of yours)")
         return self
+
+
+# ------------------------------------------------------- engine settings
+
+
+class TpuSettings(ApiModel):
+    page_size: int = Field(
+        ge=1, le=8192,
+        description="Tokens per KV block (page) of vLLM on TPU: tpu-inference's offload "
+        "chunk is one block, so the CPU tier holds cpu.size / (pageSize x kvBytesPerToken) "
+        "chunks. tpu-inference chooses it from max_model_len and max_num_seqs (128 for its "
+        "defaults); the engine logs it at start (see docs/sizing.md).",
+    )
+    hosts: int = Field(
+        default=1, ge=1, le=256,
+        description="TPU hosts (pods) per replica: 1 for a single-host Deployment, the "
+        "LeaderWorkerSet size for multi-host. Each host pins its shard of the CPU tier; "
+        "the router then routes to leaders only.",
+    )
+    staging_size: Quantity | None = Field(
+        default=None,
+        description="HBM per replica set aside to stage blocks between TPU and host "
+        "memory (TPU_OFFLOAD_NUM_STAGING_BLOCKS, in blocks of pageSize tokens); default "
+        "tpu-inference's 128 blocks. It comes out of the HBM the KV cache could use.",
+    )
+
+
+class ServiceRef(ApiModel):
+    name: ServiceName = Field(description="The Service's name.")
+    namespace: Namespace | None = Field(
+        default=None, description="Its namespace; default the TieredPrefixCache's.")
+
+
+class MooncakeSettings(ApiModel):
+    config_map_name: ConfigMapName = Field(
+        description="ConfigMap (in this namespace) holding Mooncake's client config JSON "
+        "(master_server_address, metadata_server, protocol, global_segment_size...); "
+        "mounted read-only and named by MOONCAKE_CONFIG_PATH.",
+    )
+    config_key: ConfigMapKey = Field(
+        default="mooncake_config.json", description="The key of that JSON in the ConfigMap.")
+    master_service: ServiceRef | None = Field(
+        default=None,
+        description="The mooncake master's Service, checked to exist before pods are "
+        "expected to start (e.g. mooncake-master-store in namespace mooncake).",
+    )
 
 
 # ---------------------------------------------------------------- eviction
@@ -525,51 +594,75 @@ class Router(ApiModel):
         description="Name of that ConfigMap; default <name>-router. Renaming it deletes the "
         "one the operator made under the old name."
     )
-    block_size: int = Field(
-        default=16,
+    block_size: int | None = Field(
+        default=None,
         ge=1,
         description="Tokens per router prefix block (the EPP's blockSizeTokens); the CPU "
-        "lruCapacityPerServer is computed with it.",
+        "lruCapacityPerServer is computed with it. Default: the engine's (16 for vLLM).",
     )
 
 
 # -------------------------------------------------------------------- spec
 
 
+def _engine_rules(schema: dict[str, Any]) -> None:
+    """The CRD's engine/connector rules, generated from the adapter registry (imported
+    here, when the schema is built, because the adapters import these models)."""
+    from kvtier_operator.engines.registry import cel_rules
+
+    schema.setdefault("x-kubernetes-validations", []).extend(cel_rules())
+
+
+# Rules that hold whatever the engine; the registry adds its own (see _engine_rules).
+SPEC_RULES: list[dict[str, str]] = [
+    {
+        "rule": "has(self.cpu) || ((!has(self.engine) || self.engine == 'vllm') && "
+        "(!has(self.connector) || self.connector == 'native') && has(self.storage) && "
+        "(!has(self.storage.backend) || self.storage.backend == 'kvtier'))",
+        "message": GPU_DIRECT_NEEDS_STORAGE,
+    },
+    {
+        "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
+        "message": BLOCK_SIZE_WITH_CPU_TIER,
+    },
+    {
+        "rule": "!has(self.cpu) || !has(self.storage) || "
+        "!has(self.storage.stagingSize)",
+        "message": STAGING_WITH_CPU_TIER,
+    },
+]
+
+
+def _spec_schema(schema: dict[str, Any]) -> None:
+    schema["x-kubernetes-validations"] = [dict(r) for r in SPEC_RULES]
+    _engine_rules(schema)
+
+
 class TieredPrefixCacheSpec(ApiModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.cpu) || ((!has(self.connector) || "
-                    "self.connector == 'native') && has(self.storage) && "
-                    "(!has(self.storage.backend) || self.storage.backend == 'kvtier'))",
-                    "message": GPU_DIRECT_NEEDS_STORAGE,
-                },
-                {
-                    "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
-                    "message": BLOCK_SIZE_WITH_CPU_TIER,
-                },
-                {
-                    "rule": "!has(self.cpu) || !has(self.storage) || "
-                    "!has(self.storage.stagingSize)",
-                    "message": STAGING_WITH_CPU_TIER,
-                },
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=_spec_schema)
 
     selector: LabelSelector = Field(
         description="Selects the model-server pods in this namespace to give the cache to."
     )
+    engine: Engine = Field(
+        default=Engine.vllm,
+        json_schema_extra=ENUM_BOUND,
+        description="The model server in the selected pods: vllm (vLLM on NVIDIA GPUs) or "
+        "vllm-tpu (vLLM on Google TPUs with tpu-inference). It decides which connectors "
+        "and tiers are possible (docs/architecture.md lists them).",
+    )
     container_name: ContainerName | None = Field(
         default=None,
-        description="Container running vLLM; default: the one whose command runs vllm serve.",
+        description="Container running the engine; default: the one whose command starts "
+        "it (vllm serve), or on multi-host TPU workers the Ray worker container.",
     )
     model: ModelGeometry = Field(description="The served model and its KV geometry.")
     connector: Connector = Field(
         default=Connector.native,
-        description="native (vLLM OffloadingConnector) or lmcache (LMCacheConnectorV1).",
+        json_schema_extra=ENUM_BOUND,
+        description="native (the engine's own offloading: vLLM OffloadingConnector on GPU, "
+        "TPUOffloadConnector on TPU), lmcache (LMCacheConnectorV1), mooncake-store (vLLM "
+        "MooncakeStoreConnector) or kvbm (NVIDIA Dynamo KVBM's DynamoConnector).",
     )
     cpu: CpuTier | None = Field(
         default=None,
@@ -580,6 +673,12 @@ class TieredPrefixCacheSpec(ApiModel):
     storage: StorageTier | None = Field(
         default=None, description="Optional shared-filesystem tier behind the CPU tier."
     )
+    tpu: TpuSettings | None = Field(
+        default=None, description="Engine vllm-tpu only (and required there): TPU page size, "
+        "hosts per replica and HBM staging.")
+    mooncake: MooncakeSettings | None = Field(
+        default=None, description="Connector mooncake-store only (and required there): "
+        "where Mooncake's client config is and which master it needs.")
     eviction: Eviction = Field(
         default_factory=Eviction,
         description="The evictor CronJob that keeps the shared volume under its watermarks.",
@@ -607,31 +706,13 @@ class TieredPrefixCacheSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross(self) -> TieredPrefixCacheSpec:
+        # The engine's adapter says which tiers, backends and settings it takes.
+        from kvtier_operator.engines.registry import check_spec
+
+        check_spec(self)
         s = self.storage
-        if self.cpu is None:
-            if self.connector != Connector.native or s is None or (
-                    s.backend not in (None, StorageBackend.kvtier)):
-                raise ValueError(GPU_DIRECT_NEEDS_STORAGE)
-            if s.block_size is not None:
-                raise ValueError(BLOCK_SIZE_WITH_CPU_TIER)
         if s is None:
             return self
-        if self.connector == Connector.lmcache:
-            if s.backend is not None:
-                raise ValueError(
-                    "storage.backend must be unset with connector lmcache, which writes its "
-                    "own disk files; remove backend or use connector native"
-                )
-            if s.existing_claim is not None and s.max_size_per_replica is None:
-                raise ValueError(
-                    "storage.maxSizePerReplica is required with connector lmcache and "
-                    "existingClaim (kvtier cannot know the claim's size); set e.g. 500Gi"
-                )
-        elif s.max_size_per_replica is not None:
-            raise ValueError(
-                "storage.maxSizePerReplica applies to connector lmcache only; remove it "
-                "(the evictor bounds the native tiers)"
-            )
         if self.eviction.capacity == CapacitySource.ClaimSize and s.pvc is None:
             raise ValueError(
                 "eviction.capacity ClaimSize measures usage against storage.pvc.size, but "
@@ -650,17 +731,19 @@ class TieredPrefixCacheSpec(ApiModel):
 
     @property
     def storage_backend(self) -> StorageBackend | None:
-        """The effective backend: kvtier by default for native, None for lmcache."""
-        if self.storage is None or self.connector == Connector.lmcache:
-            return None
-        return StorageBackend(self.storage.backend or StorageBackend.kvtier)
+        """The effective backend of the shared tier (the adapter's default when unset);
+        None without one, or where the connector writes its own files (lmcache)."""
+        from kvtier_operator.engines.registry import adapter_for
+
+        return adapter_for(self).storage_backend(self)
 
 
 # ------------------------------------------------------------------ status
 
 
 class Condition(ApiModel):
-    type: str = Field(description="Ready, StorageReady, Injected or EvictorHealthy.")
+    type: str = Field(description="Ready, StorageReady, Injected, EvictorHealthy or "
+                      "PrerequisitesReady.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="One CamelCase word saying why.")
     message: str = Field(default="", description="What happened and what to do, for people.")
@@ -708,7 +791,8 @@ class TieredPrefixCacheStatus(ApiModel):
         default=None, description="The metadata.generation last reconciled."
     )
     conditions: list[Condition] | None = Field(
-        default=None, description="Ready, StorageReady, Injected and EvictorHealthy."
+        default=None, description="Ready, StorageReady, Injected, EvictorHealthy and "
+        "PrerequisitesReady (objects the engine needs that others manage)."
     )
     config_hash: str | None = Field(
         default=None, description="Hash of the pod configuration pods must carry."

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.loading import InvalidResource, parse_tpc
 from kvtier_operator.models import DeletePolicy, RolloutPolicy, TieredPrefixCache
@@ -26,6 +27,7 @@ from kvtier_operator.status import (
     CONDITION_TYPES,
     EVICTOR_HEALTHY,
     INJECTED,
+    PREREQUISITES_READY,
     READY,
     STORAGE_READY,
     Cond,
@@ -36,6 +38,7 @@ from kvtier_operator.status import (
     evictor_condition,
     injected_condition,
     latest_run,
+    prerequisites_condition,
     ready_condition,
 )
 
@@ -143,6 +146,26 @@ def reconcile_storage(tpc: TieredPrefixCache, gw: Gateway,
     return obs
 
 
+def check_prerequisites(tpc: TieredPrefixCache, gw: Gateway) -> Cond:
+    """Whether the objects the engine needs (and others manage) exist: a named field and
+    the missing object in the condition, instead of pods that crash-loop."""
+    missing: list[str] = []
+    unknown: list[str] = []
+    wanted = adapter_for(tpc.spec).prerequisites(tpc)
+    for need in wanted:
+        what = f"{need.kind} {need.namespace}/{need.name} ({need.field})"
+        try:
+            live = gw.get(need.kind, need.namespace, need.name)
+        except ApiRejected as err:
+            unknown.append(f"cannot read {what}: {err.message}")
+            continue
+        if live is None:
+            missing.append(f"{what} does not exist")
+        elif need.key is not None and need.key not in (live.get("data") or {}):
+            missing.append(f"{what} has no key {need.key!r}")
+    return prerequisites_condition(missing, unknown, len(wanted))
+
+
 def _apply_owned(tpc: TieredPrefixCache, gw: Gateway, desired: dict[str, Any] | None,
                  kind: str, name: str, events: list[tuple[str, str, str]]) -> str | None:
     """Create/patch the object, or delete it when the spec no longer wants it; returns
@@ -197,6 +220,7 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
         return Outcome(status=invalid_status(body, err, now),
                        events=[("Warning", "InvalidSpec", str(err))], ok=False)
     events: list[tuple[str, str, str]] = []
+    prerequisites = check_prerequisites(tpc, gw)
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
@@ -231,13 +255,14 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     evictor = evictor_condition(tpc, run)
     if cron_error:
         evictor = Cond("False", "CronJobRejected", cron_error)
-    ready = ready_condition(storage.condition, injected, evictor)
+    ready = ready_condition(storage.condition, injected, evictor, prerequisites)
     last_eviction, usage = eviction_status(run)
     generation = tpc.metadata.generation
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": conditions({READY: ready, STORAGE_READY: storage.condition,
-                                  INJECTED: injected, EVICTOR_HEALTHY: evictor},
+                                  INJECTED: injected, EVICTOR_HEALTHY: evictor,
+                                  PREREQUISITES_READY: prerequisites},
                                  (body.get("status") or {}).get("conditions"), generation, now),
         "configHash": digest,
         "injectedPods": counts.injected,

@@ -86,6 +86,9 @@ CLAIM_NAME = dns_subdomain("PersistentVolumeClaim name")
 STORAGE_CLASS_NAME = dns_subdomain("StorageClass name")
 CONFIG_MAP_NAME = dns_subdomain("ConfigMap name")
 NAMESPACE = dns_label("namespace")
+SERVICE_NAME = dns_label("Service name")
+CONFIG_MAP_KEY = Rule("^[-._a-zA-Z0-9]+$", 253,
+                      "must be a ConfigMap key: letters, digits, dashes, dots and underscores")
 # kvtier names a CronJob <name>-evictor; Kubernetes caps CronJob names at 52 characters.
 CR_NAME_MAX = 52 - len("-evictor")
 CR_NAME = Rule(DNS_SUBDOMAIN_REGEX, CR_NAME_MAX,

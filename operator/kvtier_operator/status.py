@@ -15,7 +15,8 @@ from kvtier_operator.observe import EvictorRun, PodView
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
     "EvictorHealthy"
-CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY)
+PREREQUISITES_READY = "PrerequisitesReady"
+CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY, PREREQUISITES_READY)
 
 
 @dataclass
@@ -117,9 +118,25 @@ def eviction_status(run: EvictorRun | None) -> tuple[dict[str, Any] | None, dict
     return last, usage
 
 
-def ready_condition(storage: Cond, injected: Cond, evictor: Cond) -> Cond:
-    blocking = [(name, c) for name, c in ((STORAGE_READY, storage), (INJECTED, injected),
-                                         (EVICTOR_HEALTHY, evictor)) if c.status == "False"]
+def prerequisites_condition(missing: list[str], unknown: list[str], checked: int) -> Cond:
+    """What the engine needs that others manage (adapter.prerequisites), as found."""
+    if missing:
+        return Cond("False", "PrerequisitesMissing",
+                    "; ".join(missing) + " (pods would crash-loop without it: create it or "
+                    "fix the field)")
+    if unknown:
+        return Cond("Unknown", "PrerequisitesUnchecked", "; ".join(unknown))
+    if checked == 0:
+        return Cond("True", "NoPrerequisites", "the engine needs nothing kvtier can check")
+    return Cond("True", "Found", f"{checked} prerequisite object(s) exist")
+
+
+def ready_condition(storage: Cond, injected: Cond, evictor: Cond,
+                    prerequisites: Cond | None = None) -> Cond:
+    blocking = [(name, c) for name, c in ((PREREQUISITES_READY, prerequisites),
+                                         (STORAGE_READY, storage), (INJECTED, injected),
+                                         (EVICTOR_HEALTHY, evictor))
+                if c is not None and c.status == "False"]
     if blocking:
         return Cond("False", blocking[0][1].reason,
                     "; ".join(f"{name}: {c.message}" for name, c in blocking))
@@ -131,7 +148,9 @@ def conditions(new: dict[str, Cond], previous: list[dict[str, Any]] | None,
     before = {c.get("type"): c for c in previous or []}
     out = []
     for kind in CONDITION_TYPES:
-        c = new[kind]
+        c = new.get(kind)
+        if c is None:
+            continue
         old = before.get(kind)
         since = old.get("lastTransitionTime") if old and old.get("status") == c.status else now
         entry: dict[str, Any] = {"type": kind, "status": c.status, "reason": c.reason,

@@ -78,7 +78,18 @@ async def drive(kmock) -> None:
     stale["metadata"]["ownerReferences"][0]["name"] = "delta"
     kmock.objects["v1/pods", NS, "delta-0"] = stale
     digest = config_hash(parse_tpc(doc), CTX)
+    # A Mooncake cache: the operator checks its ConfigMap and master Service exist.
+    moon = tpc_doc({"selector": {"matchLabels": {"app": "moon"}}, "storage": None,
+                    "connector": "mooncake-store", "mooncake": {
+                        "configMapName": "mooncake-config",
+                        "masterService": {"name": "mooncake-master", "namespace": "mooncake"}}},
+                   name="moon", namespace=NS)
+    moon["metadata"].update(uid="u-2", generation=1)
+    kmock.objects[TPC, NS, "moon"] = moon
     async with operator(kmock, drift_interval=0.2):
+        await until(lambda: any(c["reason"] == "PrerequisitesMissing" for c in (
+            obj(kmock, TPC, NS, "moon").get("status") or {}).get("conditions", [])),
+            what="moon prerequisites checked")
         await until(lambda: obj(kmock, "v1/configmaps", NS, "cache-router"), what="router")
         for name, pod in (("alpha", "alpha-5d8f-0"), ("beta", "beta-5d8f-0")):
             await until(lambda n=name: restarted(kmock, "apps/v1/deployments", n) == digest,

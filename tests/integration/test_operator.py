@@ -70,7 +70,8 @@ async def test_create_applies_objects_and_reports_status(kmock):
     assert "lruCapacityPerServer: 25600" in cm["data"]["tiered-prefix-cache-plugins.yaml"]
     body = tpc_obj(kmock)
     st = body["status"]
-    assert [c["type"] for c in status] == ["Ready", "StorageReady", "Injected", "EvictorHealthy"]
+    assert [c["type"] for c in status] == ["Ready", "StorageReady", "Injected", "EvictorHealthy",
+                                         "PrerequisitesReady"]
     assert all(c["observedGeneration"] == 1 for c in st["conditions"])
     assert condition(body, "StorageReady")["reason"] == "ClaimPending"  # no binder in kmock
     assert condition(body, "Ready")["status"] == "False"

@@ -49,7 +49,8 @@ def test_crd_shape():
     assert props["storage"]["properties"]["blockSize"]["multipleOf"] == 16
     assert props["eviction"]["properties"]["highWatermark"]["maximum"] == 100
     assert props["eviction"]["properties"]["highWatermark"]["default"] == 85
-    assert props["connector"]["enum"] == ["native", "lmcache"]
+    assert props["connector"]["enum"] == ["native", "lmcache", "mooncake-store", "kvbm"]
+    assert props["engine"]["enum"] == ["vllm", "vllm-tpu"]
     assert "nullable" not in props["storage"]["properties"]["backend"]
 
 
@@ -138,12 +139,16 @@ def _schema_defaults(doc: dict) -> dict:
 def test_cel_rules_exist_for_cross_field_checks():
     found = _rules(openapi_schema())
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
-    assert len(cross_field) == 9  # + stagingSize without a CPU tier, ReadWriteOncePod alone
+    # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
+    # connector pair, shared tier, backend, and one per settings block (tpu, mooncake)
+    assert len(cross_field) == 14
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
                            "spec.storage.mountPath", "spec.eviction.schedule",
-                           "spec.router.configMapName"}
+                           "spec.router.configMapName", "spec.mooncake.configMapName",
+                           "spec.mooncake.configKey", "spec.mooncake.masterService.name",
+                           "spec.mooncake.masterService.namespace"}
 
 
 def test_cel_rules_accept_the_examples():

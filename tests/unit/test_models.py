@@ -97,7 +97,7 @@ def test_base_is_valid_and_defaults_apply():
          "storage.maxSizePerReplica applies to connector lmcache only"),
         ({"storage": {"pvc": None, "existingClaim": "c"}, "eviction": {"capacity": "ClaimSize"}},
          "spec", "eviction.capacity ClaimSize measures usage against storage.pvc.size"),
-        ({"connector": "grpc"}, "spec.connector", "'native' or 'lmcache'"),
+        ({"connector": "grpc"}, "spec.connector", "'native', 'lmcache', 'mooncake-store' or 'kvbm'"),
         ({"rollout": "Sometimes"}, "spec.rollout", "'Auto' or 'Manual'"),
         ({"cpu": {"sise": "1Gi"}}, "spec.cpu.sise", "unknown field"),
         ({"cpu": None, "storage": None}, "spec", "spec.cpu is required unless kvtier "

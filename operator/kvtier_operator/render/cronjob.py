@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_operator.models import CapacitySource, Connector, TieredPrefixCache
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.models import CapacitySource, TieredPrefixCache
 from kvtier_operator.quantity import quantity_bytes
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
@@ -13,22 +14,21 @@ EVICTOR_MOUNT = "/kv-cache"
 EVICTOR_UID = 65532
 
 
-def evictor_layout(tpc: TieredPrefixCache) -> str:
-    """Which file layout the evictor may touch (it never touches anything else)."""
-    if tpc.spec.connector == Connector.lmcache:
-        return "lmcache"
-    backend = tpc.spec.storage_backend
-    assert backend is not None
-    return str(backend)
+def evictor_layout(tpc: TieredPrefixCache) -> str | None:
+    """Which file layout the evictor may touch (it never touches anything else); None:
+    no evictor (no shared tier kvtier manages, or the engine evicts on its own)."""
+    return adapter_for(tpc.spec).evictor_layout(tpc.spec)
 
 
 def evictor_args(tpc: TieredPrefixCache) -> list[str]:
     ev = tpc.spec.eviction
     storage = tpc.spec.storage
     assert storage is not None
+    layout = evictor_layout(tpc)
+    assert layout is not None
     args = [
         "--root", EVICTOR_MOUNT,
-        "--layout", evictor_layout(tpc),
+        "--layout", layout,
         "--high-watermark", str(ev.high_watermark),
         "--low-watermark", str(ev.low_watermark),
         "--inode-high-watermark", str(ev.inode_high_watermark),
@@ -47,7 +47,7 @@ def evictor_args(tpc: TieredPrefixCache) -> list[str]:
 def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any] | None:
     storage = tpc.spec.storage
     claim = names.claim_name(tpc)
-    if storage is None or claim is None:
+    if storage is None or claim is None or evictor_layout(tpc) is None:
         return None
     ev = tpc.spec.eviction
     pod_security: dict[str, Any] = {

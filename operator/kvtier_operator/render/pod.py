@@ -10,40 +10,24 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_operator.models import StorageBackend, TieredPrefixCache
+from kvtier_operator.engines.base import Adapter, PodRole
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.vllm_launch import (  # noqa: F401  (the names callers know)
+    KV_TRANSFER_FLAG,
+    MAX_COMMAND_CHARS,
+    SCRIPT_OPTION,
+    command_line,
+    runs_vllm,
+)
+from kvtier_operator.models import TieredPrefixCache
 from kvtier_operator.quantity import format_bytes, quantity_bytes
-from kvtier_operator.render import kube_expansion, names, shell, sizing, vllm_entry
-from kvtier_operator.render.connector import connector_env, kv_transfer_config, kv_transfer_json
+from kvtier_operator.render import kube_expansion, names
 from kvtier_operator.render.context import RenderContext
 
-# Flags that mean the user already configured KV offloading by hand.
-OWN_OFFLOAD_FLAGS = (
-    "--kv-transfer-config",
-    "--kv_transfer_config",
-    "--kv-offloading-backend",
-    "--kv_offloading_backend",
-    "--kv-offloading-size",
-    "--kv_offloading_size",
-)
-# Any of them, however quoted (a literal head: Python's search skips to "--kv" in C).
-# vLLM reads '_' and '-' alike inside a flag's name, so any mix of them counts.
-_OWN_FLAG = re.compile("(?:" + "|".join(sorted({"--" + f[2:].replace("_", "-").replace(
-    "-", "[-_]") for f in OWN_OFFLOAD_FLAGS})) + ")" r"(?![A-Za-z0-9_\-])")
-KV_TRANSFER_FLAG = "--kv-transfer-config"
-# What a `sh -c` script gets after the command that starts vLLM: constant text. The JSON stays
-# in the env var, which the shell expands inside double quotes as one word and never
-# reads as shell text, whatever the CR says.
-SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
-# Container command lines longer than this are not read (this runs in the webhook; the
-# mention search takes up to ~25 ms per MiB; a `sh -c` script is capped lower still).
-MAX_COMMAND_CHARS = 256 * 1024
 FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
-_FIX = ("run vLLM in exec form (command: [vllm, serve, ...]), or start a line of the "
-        "script with `exec vllm serve`")
 
 
 @dataclass
@@ -57,123 +41,76 @@ class Injection:
 
 def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
     """Hash of everything injection puts into a pod for this spec; a pod carrying another
-    hash (or none) is pending a restart."""
+    hash (or none) is pending a restart. The same for a leader and its workers."""
     spec = tpc.spec
-    doc = {
+    adapter = adapter_for(spec)
+    doc: dict[str, Any] = {
         "format": FORMAT_VERSION,
-        "kvTransferConfig": kv_transfer_config(tpc),
+        "kvTransferConfig": adapter.launch_options(tpc),
         "env": injected_env(tpc),
         "scriptOption": SCRIPT_OPTION,
         "cpu": spec.cpu_bytes,
         "claim": names.claim_name(tpc),
         "mountPath": spec.storage.mount_path if spec.storage else None,
-        "sidecarImage": ctx.sidecar_image if spec.storage_backend == StorageBackend.kvtier
-        else None,
+        "sidecarImage": ctx.sidecar_image if adapter.needs_offload_package(spec) else None,
         "containerName": spec.container_name,
     }
+    # Keys only engines other than vLLM on GPU have, so existing pods keep their hash.
+    extra = adapter.extra_volumes(tpc)
+    if extra:
+        doc["volumes"] = [[v.volume, v.mount_path, v.read_only] for v in extra]
+    if spec.tpu is not None:
+        doc["tpu"] = spec.tpu.model_dump(mode="json")
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def injected_env(tpc: TieredPrefixCache) -> dict[str, str]:
+def injected_env(tpc: TieredPrefixCache, role: PodRole = PodRole.server) -> dict[str, str]:
     """The env vars injection sets, by name, as the process sees them (unescaped)."""
-    return connector_env(tpc) | {names.ENV_KV_TRANSFER_CONFIG: kv_transfer_json(tpc)}
+    adapter = adapter_for(tpc.spec)
+    env = adapter.env(tpc, role)
+    if role == PodRole.server:
+        env |= adapter.launcher.options_env(adapter.launch_options(tpc))
+    return env
 
 
-def command_line(container: dict[str, Any]) -> str:
-    return " ".join(_words(container))
-
-
-def _words(container: dict[str, Any]) -> list[str]:
-    return [str(p) for p in (container.get("command") or []) + (container.get("args") or [])]
-
-
-def runs_vllm(container: dict[str, Any]) -> bool:
-    """Whether the container's command line starts vLLM's server or mentions its entry
-    point anywhere (injection then decides whether it can edit it with certainty)."""
-    words = _words(container)
-    if vllm_entry.entry_point_end(words, vllm_entry.program_start(words)) is not None:
-        return True
-    return vllm_entry.mentions_entry_point(command_line(container))
-
-
-def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]) -> tuple[dict | None, str]:
+def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]
+                   ) -> tuple[dict | None, PodRole, str]:
+    """The container to inject, its role (the engine's server, or a multi-host worker
+    that only gets env and memory), or None and why not."""
+    adapter = adapter_for(tpc.spec)
+    launcher = adapter.launcher
     containers = pod_spec.get("containers") or []
     wanted = tpc.spec.container_name
     if wanted:
         for c in containers:
             if c.get("name") == wanted:
-                return c, ""
+                worker = launcher.runs_worker(c) and not launcher.runs_server(c)
+                return c, PodRole.worker if worker else PodRole.server, ""
         have = ", ".join(c.get("name", "?") for c in containers) or "none"
-        return None, (
+        return None, PodRole.server, (
             f"no container named {wanted!r} (containers: {have}); fix spec.containerName"
         )
     too_long = [c.get("name", "?") for c in containers
                 if len(command_line(c)) > MAX_COMMAND_CHARS]
     if too_long:
-        return None, (
+        return None, PodRole.server, (
             f"the command line of container {too_long[0]!r} is longer than the "
             f"{MAX_COMMAND_CHARS} characters kvtier reads; set spec.containerName"
         )
-    found = [c for c in containers if runs_vllm(c)]
-    if len(found) == 1:
-        return found[0], ""
+    found = [c for c in containers if launcher.runs_server(c)]
+    role = PodRole.server
     if not found:
-        return None, (
-            "no container runs 'vllm serve' or vLLM's OpenAI server module; set "
-            "spec.containerName to the model-server container"
+        found, role = [c for c in containers if launcher.runs_worker(c)], PodRole.worker
+    if len(found) == 1:
+        return found[0], role, ""
+    if not found:
+        return None, role, (
+            f"no container runs {launcher.command_words}; set spec.containerName to the "
+            "model-server container"
         )
     listed = ", ".join(c.get("name", "?") for c in found)
-    return None, f"several containers run vLLM ({listed}); set spec.containerName"
-
-
-def _add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
-    """Pass the config to vLLM: the JSON (with every `$` doubled for the kubelet) as two
-    more argv words in exec form, or SCRIPT_OPTION after the command that starts vLLM in
-    a `sh -c` script. Returns why not (and changes nothing) when kvtier cannot be certain where."""
-    name = container.get("name")
-    command = [str(p) for p in container.get("command") or []]
-    args = [str(p) for p in container.get("args") or []]
-    words = command + args
-    line = " ".join(words)  # command_line(container), built once
-    if len(line) > MAX_COMMAND_CHARS:
-        return (f"the command line of container {name!r} is longer than the "
-                f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
-    if names.ENV_KV_TRANSFER_CONFIG in line:
-        return (f"the command line of container {name!r} mentions "
-                f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
-    start = vllm_entry.program_start(words)
-    script_at = shell.script_index(words, start)
-    if isinstance(script_at, str):
-        return f"container {name!r}: {script_at}; {_FIX}"
-    if script_at is not None:
-        script = words[script_at]
-        found = shell.find_entry_point(script)
-        if found.insert_at is None:
-            return (f"container {name!r} runs a shell script kvtier will not edit: "
-                    f"{found.problem}; {_FIX}")
-        defined = {e.get("name") for e in container.get("env") or []}
-        rewritten = kube_expansion.first_rewrite(script, defined, found.insert_at)
-        if rewritten is not None:
-            return (f"container {name!r}'s script has {rewritten} before vLLM's entry point, "
-                    "which Kubernetes rewrites before the shell runs; write $NAME for an env "
-                    f"var instead, or {_FIX}")
-        script = script[:found.insert_at] + SCRIPT_OPTION + script[found.insert_at:]
-        if script_at < len(command):
-            command[script_at] = script
-            container["command"] = command
-        else:
-            args[script_at - len(command)] = script
-            container["args"] = args
-        return ""
-    end = vllm_entry.entry_point_end(words, start)
-    if end is None:
-        return (f"cannot tell how container {name!r} starts vLLM (its command line is neither "
-                f"an entry point kvtier knows nor a `sh -c` script); {_FIX}")
-    if "--" in words[end + 1:]:
-        return (f"container {name!r} passes '--' to vLLM, after which kvtier's options "
-                "would be read as arguments: remove it")
-    container["args"] = [*args, KV_TRANSFER_FLAG, kube_expansion.escape(config_json)]
-    return ""
+    what = "vLLM" if role == PodRole.server else "a multi-host worker"
+    return None, role, f"several containers run {what} ({listed}); set spec.containerName"
 
 
 def _memory(resources: dict[str, Any], increase: int) -> None:
@@ -253,18 +190,12 @@ def _add_volume(pod_spec: dict[str, Any], volume: dict[str, Any], conflicts: lis
     volumes.append(volume)
 
 
-def _worker_processes(tpc: TieredPrefixCache, container: dict[str, Any]) -> int:
-    """vLLM worker processes in the container, where it matters: without a CPU tier each
-    pins its own staging. A command line too long to read is a conflict anyway."""
-    if not tpc.spec.gpu_direct or len(command_line(container)) > MAX_COMMAND_CHARS:
-        return 1
-    return sizing.worker_processes(container)
-
-
 def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixCache,
-         conflicts: list[str]) -> sizing.PodSizing:
-    """Size a memory-backed /dev/shm: resize the pod's own if it has one, else add ours."""
-    workers = _worker_processes(tpc, container)
+         adapter: Adapter, role: PodRole, conflicts: list[str]) -> int:
+    """Size a memory-backed /dev/shm where the engine keeps its CPU tier there (resize the
+    pod's own if it has one, else add ours); returns the memory request increase."""
+    before: int | None = None
+    empty_dir: dict[str, Any] | None = None
     for m in container.get("volumeMounts") or []:
         if m.get("mountPath") != names.SHM_MOUNT:
             continue
@@ -272,22 +203,27 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixC
                       None)
         empty_dir = (volume or {}).get("emptyDir")
         if empty_dir is None or empty_dir.get("medium") != "Memory":
-            conflicts.append(
-                f"container {container.get('name')!r} mounts /dev/shm from volume "
-                f"{m.get('name')!r}, which is not a memory-backed emptyDir; kvtier sizes "
-                "/dev/shm for the CPU tier: remove that mount"
-            )
-            return sizing.pod_sizing(tpc.spec, None, workers)
+            result = adapter.pod_sizing(tpc.spec, None, container, role)
+            if result.shm_bytes is not None:
+                conflicts.append(
+                    f"container {container.get('name')!r} mounts /dev/shm from volume "
+                    f"{m.get('name')!r}, which is not a memory-backed emptyDir; kvtier sizes "
+                    "/dev/shm for the CPU tier: remove that mount"
+                )
+            return result.memory_increase_bytes
         before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
-        result = sizing.pod_sizing(tpc.spec, before, workers)
+        break
+    result = adapter.pod_sizing(tpc.spec, before, container, role)
+    if result.shm_bytes is None:
+        return result.memory_increase_bytes  # the engine keeps nothing in /dev/shm
+    if empty_dir is not None:
         empty_dir["sizeLimit"] = format_bytes(result.shm_bytes)
-        return result
-    result = sizing.pod_sizing(tpc.spec, None, workers)
+        return result.memory_increase_bytes
     _add_volume(pod_spec, {"name": names.VOLUME_SHM,
                            "emptyDir": {"medium": "Memory",
                                         "sizeLimit": format_bytes(result.shm_bytes)}}, conflicts)
     _mount(container, names.VOLUME_SHM, names.SHM_MOUNT, conflicts)
-    return result
+    return result.memory_increase_bytes
 
 
 def init_container(ctx: RenderContext) -> dict[str, Any]:
@@ -319,31 +255,37 @@ def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> I
 
     out = copy.deepcopy(pod)
     pod_spec = out.setdefault("spec", {})
-    container, why = find_container(tpc, pod_spec)
+    container, role, why = find_container(tpc, pod_spec)
     if container is None:
         return Injection(pod=pod, changed=False, container=None, config_hash=digest,
                          conflicts=[why])
-    conflicts: list[str] = []
-    own = sorted({m.group(0) for m in _OWN_FLAG.finditer(command_line(container))})
-    if own:
-        conflicts.append(
-            f"container {container.get('name')!r} already passes {', '.join(own)}; kvtier "
-            "will not override hand-made offloading: remove those flags"
-        )
     spec = tpc.spec
-    if not own:
-        problem = _add_kv_transfer_config(container, kv_transfer_json(tpc))
-        if problem:
-            conflicts.append(problem)
-    _merge_env(container, injected_env(tpc), conflicts)
-    pod_sizing = _shm(pod_spec, container, tpc, conflicts)
-    _memory(container.setdefault("resources", {}), pod_sizing.memory_increase_bytes)
+    adapter = adapter_for(spec)
+    conflicts: list[str] = []
+    if role == PodRole.server:
+        own = adapter.launcher.own_offload_flags(command_line(container))
+        if own:
+            conflicts.append(
+                f"container {container.get('name')!r} already passes {', '.join(own)}; "
+                "kvtier will not override hand-made offloading: remove those flags"
+            )
+        else:
+            problem = adapter.launcher.add_options(container, adapter.launch_options(tpc))
+            if problem:
+                conflicts.append(problem)
+    _merge_env(container, injected_env(tpc, role), conflicts)
+    increase = _shm(pod_spec, container, tpc, adapter, role, conflicts)
+    _memory(container.setdefault("resources", {}), increase)
     claim = names.claim_name(tpc)
     if spec.storage is not None and claim is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": claim}}, conflicts)
         _mount(container, names.VOLUME_CACHE, spec.storage.mount_path, conflicts)
-    if spec.storage_backend == StorageBackend.kvtier:
+    for extra in adapter.extra_volumes(tpc):
+        _add_volume(pod_spec, extra.volume, conflicts)
+        _mount(container, extra.volume["name"], extra.mount_path, conflicts,
+               read_only=extra.read_only)
+    if adapter.needs_offload_package(spec):
         _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
         _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)
         _prepend_pythonpath(container, conflicts)

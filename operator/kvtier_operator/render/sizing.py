@@ -31,7 +31,8 @@ PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
 
 @dataclass(frozen=True)
 class PodSizing:
-    shm_bytes: int  # sizeLimit of the memory-backed /dev/shm after injection
+    shm_bytes: int | None  # sizeLimit of the memory-backed /dev/shm after injection (None:
+    # the engine keeps nothing there; the pod's /dev/shm is left as it is)
     memory_increase_bytes: int  # added to the container's memory request (and limit, if set)
 
 
@@ -108,9 +109,66 @@ def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
     return PodSizing(shm_bytes=shm, memory_increase_bytes=round_up(increase, MIB))
 
 
-def router_lru_capacity(spec: TieredPrefixCacheSpec) -> int:
-    """Router blocks the CPU tier of one replica holds (EPP lruCapacityPerServer)."""
-    return spec.cpu_bytes // (spec.model.bytes_per_token * spec.router.block_size)
+def router_lru_capacity(spec: TieredPrefixCacheSpec, block_size: int | None = None) -> int:
+    """Router blocks the CPU tier of one replica holds (EPP lruCapacityPerServer), in
+    blocks of block_size tokens (default: spec.router.blockSize, else vLLM's 16)."""
+    block = block_size or spec.router.block_size or 16
+    return spec.cpu_bytes // (spec.model.bytes_per_token * block)
+
+
+def pinned_process_sizing(host_bytes: int, existing_shm_bytes: int | None) -> PodSizing:
+    """An engine that pins its CPU tier in process memory and keeps nothing in /dev/shm:
+    the memory request grows by the tier and the headroom; /dev/shm stays as it is."""
+    return PodSizing(shm_bytes=None,
+                     memory_increase_bytes=round_up(host_bytes + PROCESS_HEADROOM_BYTES, MIB))
+
+
+# ------------------------------------------------------------- vLLM on TPU
+# tpu-inference's TPUOffloadConnector: one CPU chunk is one vLLM block (page) of the TPU
+# KV cache, all layers; the CPU tier holds TPU_OFFLOAD_NUM_CPU_CHUNKS of them in pinned
+# host memory (each host of a multi-host replica its shard of every chunk); the staging
+# buffer (TPU_OFFLOAD_NUM_STAGING_BLOCKS blocks) is carved out of HBM.
+TPU_DEFAULT_STAGING_BLOCKS = 128  # tpu-inference's default
+
+
+def tpu_chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
+    assert spec.tpu is not None
+    return spec.tpu.page_size * spec.model.bytes_per_token
+
+
+def tpu_cpu_chunks(spec: TieredPrefixCacheSpec) -> int:
+    """TPU_OFFLOAD_NUM_CPU_CHUNKS: whole chunks that fit in cpu.size."""
+    return spec.cpu_bytes // tpu_chunk_bytes(spec)
+
+
+def tpu_staging_blocks(spec: TieredPrefixCacheSpec) -> int:
+    """TPU_OFFLOAD_NUM_STAGING_BLOCKS: whole blocks in tpu.stagingSize, else the default."""
+    assert spec.tpu is not None
+    if spec.tpu.staging_size is None:
+        return TPU_DEFAULT_STAGING_BLOCKS
+    return quantity_bytes(spec.tpu.staging_size) // tpu_chunk_bytes(spec)
+
+
+def tpu_host_bytes(spec: TieredPrefixCacheSpec) -> int:
+    """Pinned host memory of one TPU host (pod): its shard of every chunk."""
+    assert spec.tpu is not None
+    total = tpu_cpu_chunks(spec) * tpu_chunk_bytes(spec)
+    return -(-total // spec.tpu.hosts)
+
+
+def tpu_router_blocks(spec: TieredPrefixCacheSpec, router_block: int) -> int:
+    """The CPU tier in the router's blocks: chunks x page tokens / router block tokens."""
+    assert spec.tpu is not None
+    return tpu_cpu_chunks(spec) * spec.tpu.page_size // router_block
+
+
+# ------------------------------------------------------------------- KVBM
+
+
+def kvbm_cpu_gb(spec: TieredPrefixCacheSpec) -> int:
+    """DYN_KVBM_CPU_CACHE_GB: whole decimal GB of cpu.size (KVBM reads GB as 1e9 bytes;
+    a whole number parses whether KVBM reads it as an integer or a float)."""
+    return spec.cpu_bytes // GB
 
 
 def lmcache_cpu_gb(spec: TieredPrefixCacheSpec) -> float:

@@ -1,0 +1,1 @@
+"""One adapter per engine + connector (base.py: the interface; registry.py: the list)."""

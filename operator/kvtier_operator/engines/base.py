@@ -1,0 +1,156 @@
+"""The adapter interface: what kvtier must know about one engine + connector.
+
+An `Adapter` is one small object per (engine, connector) pair, registered once in
+registry.py. Everything engine-specific the renderers, the webhook, the evictor CronJob,
+the router config, the status and the docs need comes from it; nothing else branches
+on the engine. A `Launcher` is the engine's command-line knowledge (recognise the
+container that starts it, or a multi-host worker; see flags the user set by hand; pass
+it options), shared by the adapters of one engine.
+
+Adapters are pure, like every renderer: spec in, values out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from kvtier_operator.models import (
+    Connector,
+    Engine,
+    StorageBackend,
+    TieredPrefixCache,
+    TieredPrefixCacheSpec,
+)
+from kvtier_operator.render.sizing import PodSizing
+
+ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
+
+
+class PodRole(StrEnum):
+    server = "server"  # runs the engine's server: gets its options, env and sizing
+    worker = "worker"  # a multi-host worker (no server): env and sizing only
+
+
+@dataclass(frozen=True)
+class Prerequisite:
+    """An object the engine needs that someone else manages; the operator checks it exists
+    and names it in the PrerequisitesReady condition instead of letting pods crash-loop."""
+
+    kind: str  # "ConfigMap" | "Service"
+    namespace: str
+    name: str
+    field: str  # the spec field that names it, e.g. spec.mooncake.configMapName
+    key: str | None = None  # a ConfigMap key that must be present
+
+
+@dataclass(frozen=True)
+class ExtraVolume:
+    """A volume the engine needs mounted (beyond the shared tier's claim)."""
+
+    volume: dict[str, Any]
+    mount_path: str
+    read_only: bool = True
+
+
+class Launcher(ABC):
+    """How an engine is started in a container."""
+
+    command_words: ClassVar[str]  # how its start reads, for messages ("vllm serve")
+
+    @abstractmethod
+    def runs_server(self, container: dict[str, Any]) -> bool:
+        """Whether the container's command line starts (or mentions) the server."""
+
+    def runs_worker(self, container: dict[str, Any]) -> bool:
+        """Whether the container is a multi-host worker of the engine (no server)."""
+        return False
+
+    @abstractmethod
+    def own_offload_flags(self, line: str) -> list[str]:
+        """Offloading flags the user already passes by hand, however quoted."""
+
+    @abstractmethod
+    def options_env(self, options: Any) -> dict[str, str]:
+        """Env vars that carry the options to the command line (may be empty)."""
+
+    @abstractmethod
+    def add_options(self, container: dict[str, Any], options: Any) -> str:
+        """Pass options to the server in place; returns why not (changing nothing)."""
+
+
+class Adapter(ABC):
+    """One engine + connector. Subclasses set the class attributes and override what
+    differs; the defaults describe a vLLM-style engine with a CPU tier only."""
+
+    engine: ClassVar[Engine]
+    connector: ClassVar[Connector]
+    title: ClassVar[str]  # one line for docs and messages
+    launcher: ClassVar[Launcher]
+    # Shared file tier: whether spec.storage is possible, and the spec.storage.backend
+    # values it takes (the first is the default; empty: backend must stay unset).
+    takes_storage: ClassVar[bool] = False
+    storage_backends: ClassVar[tuple[StorageBackend, ...]] = ()
+    # The spec block only this adapter reads, required with it (e.g. "tpu", "mooncake").
+    settings_block: ClassVar[str | None] = None
+
+    # ---------------------------------------------------------------- the spec
+    def validate(self, spec: TieredPrefixCacheSpec) -> None:
+        """Raise ValueError naming the field and the fix for what this adapter refuses
+        beyond the registry's generic checks (registry.check_spec)."""
+        if spec.cpu is None:
+            raise ValueError(f"spec.cpu is required with {self.describe()}; add cpu.size, "
+                             "e.g. 100Gi")
+
+    def storage_backend(self, spec: TieredPrefixCacheSpec) -> StorageBackend | None:
+        if spec.storage is None or not self.storage_backends:
+            return None
+        return StorageBackend(spec.storage.backend or self.storage_backends[0])
+
+    def describe(self) -> str:
+        return f"engine {self.engine} and connector {self.connector}"
+
+    # ---------------------------------------------------------------- the pod
+    @abstractmethod
+    def launch_options(self, tpc: TieredPrefixCache) -> Any:
+        """What the launcher passes on the command line (vLLM: the kv-transfer JSON)."""
+
+    def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
+        """Env vars the connector needs, by name, as the process sees them."""
+        return {"PYTHONHASHSEED": str(tpc.hash_seed)}
+
+    @abstractmethod
+    def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
+                   container: dict[str, Any], role: PodRole) -> PodSizing:
+        """/dev/shm size (None: leave it alone) and the memory request increase."""
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        return []
+
+    def needs_offload_package(self, spec: TieredPrefixCacheSpec) -> bool:
+        """Whether pods get kvtier's offload package (init container + PYTHONPATH)."""
+        return False
+
+    # ------------------------------------------------- evictor, router, status
+    def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
+        """The evictor's --layout for the shared tier; None: no evictor CronJob (no
+        shared tier, or the engine evicts on its own)."""
+        return None
+
+    def router_block_size(self, spec: TieredPrefixCacheSpec) -> int:
+        return spec.router.block_size or ROUTER_BLOCK_TOKENS
+
+    def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
+        """The router's CPU-tier LRU capacity per replica, in router blocks; None: no
+        CPU-tier scorer."""
+        return spec.cpu_bytes // (spec.model.bytes_per_token * self.router_block_size(spec))
+
+    def router_server_labels(self, tpc: TieredPrefixCache) -> dict[str, str] | None:
+        """Labels the router must add to its model-server selector (e.g. leaders only on
+        multi-host); None: the selector as the user has it."""
+        return None
+
+    def prerequisites(self, tpc: TieredPrefixCache) -> list[Prerequisite]:
+        return []

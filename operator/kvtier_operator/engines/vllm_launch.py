@@ -1,0 +1,132 @@
+"""vLLM's command line: find the container that starts it and pass --kv-transfer-config.
+
+Every vLLM adapter (GPU, TPU, LMCache, Mooncake, KVBM) configures its connector through
+the one --kv-transfer-config JSON, so they share this launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, ClassVar
+
+from kvtier_operator.engines.base import Launcher
+from kvtier_operator.render import kube_expansion, names, shell, vllm_entry
+
+# Flags that mean the user already configured KV offloading by hand.
+OWN_OFFLOAD_FLAGS = (
+    "--kv-transfer-config",
+    "--kv_transfer_config",
+    "--kv-offloading-backend",
+    "--kv_offloading_backend",
+    "--kv-offloading-size",
+    "--kv_offloading_size",
+)
+# Any of them, however quoted (a literal head: Python's search skips to "--kv" in C).
+# vLLM reads '_' and '-' alike inside a flag's name, so any mix of them counts.
+_OWN_FLAG = re.compile("(?:" + "|".join(sorted({"--" + f[2:].replace("_", "-").replace(
+    "-", "[-_]") for f in OWN_OFFLOAD_FLAGS})) + ")" r"(?![A-Za-z0-9_\-])")
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+# What a `sh -c` script gets after the command that starts vLLM: constant text. The JSON
+# stays in the env var, which the shell expands inside double quotes as one word and
+# never reads as shell text, whatever the CR says.
+SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
+# Container command lines longer than this are not read (this runs in the webhook; the
+# mention search takes up to ~25 ms per MiB; a `sh -c` script is capped lower still).
+MAX_COMMAND_CHARS = 256 * 1024
+_FIX = ("run vLLM in exec form (command: [vllm, serve, ...]), or start a line of the "
+        "script with `exec vllm serve`")
+
+
+def words(container: dict[str, Any]) -> list[str]:
+    return [str(p) for p in (container.get("command") or []) + (container.get("args") or [])]
+
+
+def command_line(container: dict[str, Any]) -> str:
+    return " ".join(words(container))
+
+
+def runs_vllm(container: dict[str, Any]) -> bool:
+    """Whether the container's command line starts vLLM's server or mentions its entry
+    point anywhere (injection then decides whether it can edit it with certainty)."""
+    w = words(container)
+    if vllm_entry.entry_point_end(w, vllm_entry.program_start(w)) is not None:
+        return True
+    return vllm_entry.mentions_entry_point(command_line(container))
+
+
+def kv_transfer_json(config: dict[str, Any]) -> str:
+    return json.dumps(config, separators=(",", ":"), sort_keys=False)
+
+
+def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
+    """Pass the config to vLLM: the JSON (with every `$` doubled for the kubelet) as two
+    more argv words in exec form, or SCRIPT_OPTION after the command that starts vLLM in
+    a `sh -c` script. Returns why not (and changes nothing) when kvtier cannot be certain
+    where."""
+    name = container.get("name")
+    command = [str(p) for p in container.get("command") or []]
+    args = [str(p) for p in container.get("args") or []]
+    all_words = command + args
+    line = " ".join(all_words)  # command_line(container), built once
+    if len(line) > MAX_COMMAND_CHARS:
+        return (f"the command line of container {name!r} is longer than the "
+                f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
+    if names.ENV_KV_TRANSFER_CONFIG in line:
+        return (f"the command line of container {name!r} mentions "
+                f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
+    start = vllm_entry.program_start(all_words)
+    script_at = shell.script_index(all_words, start)
+    if isinstance(script_at, str):
+        return f"container {name!r}: {script_at}; {_FIX}"
+    if script_at is not None:
+        script = all_words[script_at]
+        found = shell.find_entry_point(script)
+        if found.insert_at is None:
+            return (f"container {name!r} runs a shell script kvtier will not edit: "
+                    f"{found.problem}; {_FIX}")
+        defined = {e.get("name") for e in container.get("env") or []}
+        rewritten = kube_expansion.first_rewrite(script, defined, found.insert_at)
+        if rewritten is not None:
+            return (f"container {name!r}'s script has {rewritten} before vLLM's entry point, "
+                    "which Kubernetes rewrites before the shell runs; write $NAME for an env "
+                    f"var instead, or {_FIX}")
+        script = script[:found.insert_at] + SCRIPT_OPTION + script[found.insert_at:]
+        if script_at < len(command):
+            command[script_at] = script
+            container["command"] = command
+        else:
+            args[script_at - len(command)] = script
+            container["args"] = args
+        return ""
+    end = vllm_entry.entry_point_end(all_words, start)
+    if end is None:
+        return (f"cannot tell how container {name!r} starts vLLM (its command line is neither "
+                f"an entry point kvtier knows nor a `sh -c` script); {_FIX}")
+    if "--" in all_words[end + 1:]:
+        return (f"container {name!r} passes '--' to vLLM, after which kvtier's options "
+                "would be read as arguments: remove it")
+    container["args"] = [*args, KV_TRANSFER_FLAG, kube_expansion.escape(config_json)]
+    return ""
+
+
+class VllmLauncher(Launcher):
+    """`vllm serve` / `python -m vllm.entrypoints...`, in exec form or a `sh -c` script;
+    options: the --kv-transfer-config dict."""
+
+    command_words: ClassVar[str] = "'vllm serve' or vLLM's OpenAI server module"
+
+    def runs_server(self, container: dict[str, Any]) -> bool:
+        return runs_vllm(container)
+
+    def own_offload_flags(self, line: str) -> list[str]:
+        return sorted({m.group(0) for m in _OWN_FLAG.finditer(line)})
+
+    def options_env(self, options: Any) -> dict[str, str]:
+        return {names.ENV_KV_TRANSFER_CONFIG: kv_transfer_json(options)}
+
+    def add_options(self, container: dict[str, Any], options: Any) -> str:
+        return add_kv_transfer_config(container, kv_transfer_json(options))
+
+
+VLLM = VllmLauncher()

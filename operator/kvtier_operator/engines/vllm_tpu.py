@@ -1,0 +1,85 @@
+"""vLLM on Google TPUs (tpu-inference): TPUOffloadConnector, a CPU tier in pinned host
+memory, configured by env only; single-host Deployments and multi-host LeaderWorkerSets
+(the leader runs `vllm serve`, the workers run Ray workers that hold shards)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from kvtier_operator.engines.base import Adapter, PodRole
+from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VllmLauncher, command_line
+from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
+from kvtier_operator.quantity import format_bytes
+from kvtier_operator.render import sizing
+from kvtier_operator.render.sizing import PodSizing
+
+TPU_CONNECTOR = "TPUOffloadConnector"
+TPU_CONNECTOR_MODULE = "tpu_inference.offload.tpu_offload_connector"
+# Env names tpu-inference reads (tpu_inference/envs.py; tests check them against it).
+ENV_CPU_CHUNKS = "TPU_OFFLOAD_NUM_CPU_CHUNKS"
+ENV_STAGING_BLOCKS = "TPU_OFFLOAD_NUM_STAGING_BLOCKS"
+ENV_MULTIHOST_BACKEND = "TPU_MULTIHOST_BACKEND"  # must be "ray" (or unset) on multi-host
+# LeaderWorkerSet labels every pod with its index in the group; the leader is 0.
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+# A multi-host worker: llm-d's `multi-node-serving.sh worker`, or a plain `ray start
+# --address=...` (both only join the leader's Ray cluster; they serve nothing).
+_WORKER = re.compile(r"multi-node-serving\.sh[ \t'\"]+worker(?![A-Za-z0-9_\-])"
+                     r"|ray[ \t]+start[ \t][^\n;&|]*--address")
+
+
+class TpuLauncher(VllmLauncher):
+    command_words: ClassVar[str] = ("'vllm serve' (or, on a multi-host worker, "
+                                    "multi-node-serving.sh worker / ray start --address)")
+
+    def runs_worker(self, container: dict[str, Any]) -> bool:
+        line = command_line(container)
+        return len(line) <= MAX_COMMAND_CHARS and _WORKER.search(line) is not None
+
+
+class VllmTpuNative(Adapter):
+    engine = Engine.vllm_tpu
+    connector = Connector.native
+    title = ("vLLM on TPU, tpu-inference's TPUOffloadConnector: CPU tier in pinned host "
+             "memory (no shared file tier)")
+    launcher = TpuLauncher()
+    settings_block: ClassVar[str | None] = "tpu"
+
+    def validate(self, spec: TieredPrefixCacheSpec) -> None:
+        super().validate(spec)
+        chunk = sizing.tpu_chunk_bytes(spec)
+        if sizing.tpu_cpu_chunks(spec) < 1:
+            raise ValueError(
+                f"spec.cpu.size {spec.cpu.size if spec.cpu else 0} holds no TPU chunk (one "
+                f"chunk = tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
+        if spec.tpu is not None and spec.tpu.staging_size is not None and \
+                sizing.tpu_staging_blocks(spec) < 1:
+            raise ValueError(
+                f"spec.tpu.stagingSize {spec.tpu.staging_size} holds no block (one block = "
+                f"tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
+
+    def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        # No kv_connector_extra_config: the connector reads env only.
+        return {"kv_connector": TPU_CONNECTOR, "kv_connector_module_path": TPU_CONNECTOR_MODULE,
+                "kv_role": "kv_both"}
+
+    def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
+        spec = tpc.spec
+        env = super().env(tpc, role)
+        env[ENV_CPU_CHUNKS] = str(sizing.tpu_cpu_chunks(spec))
+        env[ENV_STAGING_BLOCKS] = str(sizing.tpu_staging_blocks(spec))
+        if spec.tpu is not None and spec.tpu.hosts > 1:
+            env[ENV_MULTIHOST_BACKEND] = "ray"
+        return env
+
+    def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
+                   container: dict[str, Any], role: PodRole) -> PodSizing:
+        return sizing.pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
+
+    def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
+        return sizing.tpu_router_blocks(spec, self.router_block_size(spec))
+
+    def router_server_labels(self, tpc: TieredPrefixCache) -> dict[str, str] | None:
+        tpu = tpc.spec.tpu
+        # Multi-host: only the leader runs vLLM's HTTP server.
+        return {LWS_WORKER_INDEX: "0"} if tpu is not None and tpu.hosts > 1 else None
