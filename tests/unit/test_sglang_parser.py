@@ -13,9 +13,10 @@ import itertools
 
 import pytest
 
+from kvtier_operator.models import SglangIoBackend as IoBackend
+from kvtier_operator.models import SglangWritePolicy as WritePolicy
 from kvtier_operator.render import sglang_hicache
 from kvtier_operator.render.sglang_flags import add_flags
-from kvtier_operator.render.sglang_hicache import IoBackend, WritePolicy
 
 try:
     from sglang.srt import environ as sglang_environ

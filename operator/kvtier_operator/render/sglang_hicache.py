@@ -14,9 +14,9 @@ CPU tier and shared file tier. Pure; docs/sizing.md explains --hicache-size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import StrEnum
 from typing import Any
 
+from kvtier_operator.models import SglangIoBackend, SglangWritePolicy
 from kvtier_operator.render.sglang_flags import (
     CONFIG_FILE,
     Flag,
@@ -38,19 +38,6 @@ EXTRA_CONFIG = Forbidden(
     "its max_size or min_free_space would turn on SGLang's own file evictor, which on a "
     "shared volume deletes other pods' pages (kvtier's evictor bounds the volume); remove "
     "it")
-
-
-class WritePolicy(StrEnum):
-    """--hicache-write-policy choices."""
-    write_through = "write_through"
-    write_through_selective = "write_through_selective"
-    write_back = "write_back"
-
-
-class IoBackend(StrEnum):
-    """--hicache-io-backend choices on GPUs (kernel_ascend is for Ascend NPUs)."""
-    kernel = "kernel"
-    direct = "direct"
 
 
 # Flags that say how many ranks (one per GPU) share the pod's CPU tier, with the
@@ -86,8 +73,8 @@ def hicache_size_gb(cpu_bytes: int, rank_count: int) -> int:
     return cpu_bytes // (max(rank_count, 1) * GB)
 
 
-def flags(*, cpu_bytes: int, rank_count: int, write_policy: WritePolicy,
-          io_backend: IoBackend, page_size: int, file_tier: bool) -> list[Flag]:
+def flags(*, cpu_bytes: int, rank_count: int, write_policy: SglangWritePolicy,
+          io_backend: SglangIoBackend, page_size: int, file_tier: bool) -> list[Flag]:
     """The flags kvtier gives SGLang, each with the spec field it comes from."""
     out = [
         Flag("--enable-hierarchical-cache", None, "spec.cpu", aliases=("--enable-hicache",)),
