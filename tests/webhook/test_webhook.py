@@ -32,8 +32,11 @@ from tests.helpers import EXAMPLES, tpc_doc
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
 K8S = kubernetes_validate.latest_version()
+# vLLM-on-GPU caches and their pod shapes here; other engines' shapes have their own
+# files (test_webhook_sglang.py).
 VARIANTS = sorted(p.name for p in EXAMPLES.glob("*.yaml")
-                  if yaml.safe_load(p.read_text())["kind"] == "TieredPrefixCache")
+                  if (doc := yaml.safe_load(p.read_text()))["kind"] == "TieredPrefixCache"
+                  and doc["spec"].get("engine", "vllm") == "vllm")
 
 
 def free_port() -> int:

@@ -69,15 +69,16 @@ class SglangLauncher(Launcher):
                 f"spec.cpu.size gives container {name!r} under 1 GB per rank over its "
                 f"{ranks} rank(s) (SGLang's --hicache-size is whole GB per rank, and 0 "
                 "means a size from --hicache-ratio); raise spec.cpu.size")
-        if problems:
             return "; ".join(problems)
         flags = sglang_hicache.flags(
             cpu_bytes=options["cpuBytes"], rank_count=ranks,
             write_policy=SglangWritePolicy(options["writePolicy"]),
             io_backend=SglangIoBackend(options["ioBackend"]), page_size=options["pageSize"],
             file_tier=file_tier)
-        return "; ".join(sglang_flags.add_flags(container, flags,
-                                                sglang_hicache.forbidden(file_tier)))
+        # With a problem already, the pod stays as it was (inject() keeps the original);
+        # the flags are still read so that every conflict is reported at once.
+        problems += sglang_flags.add_flags(container, flags, sglang_hicache.forbidden(file_tier))
+        return "; ".join(problems)
 
 
 SGLANG = SglangLauncher()
