@@ -15,6 +15,8 @@ from tests.helpers import EXAMPLES, tpc_doc
 CR_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.yaml")
                      if yaml.safe_load(p.read_text())["kind"] == "TieredPrefixCache")
 K8S = kubernetes_validate.latest_version()
+# The sample workload each engine's examples are rendered into.
+WORKLOADS = {"vllm": "vllm-deployment.yaml", "sglang": "sglang-deployment.yaml"}
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -28,8 +30,9 @@ def test_there_is_an_example_per_variant():
 
 @pytest.mark.parametrize("name", CR_EXAMPLES)
 def test_every_example_renders_valid_kubernetes_objects(name):
-    result = run("render", "-f", str(EXAMPLES / name), "--pod",
-                 str(EXAMPLES / "vllm-deployment.yaml"))
+    engine = yaml.safe_load((EXAMPLES / name).read_text())["spec"].get("engine", "vllm")
+    workload = WORKLOADS.get(engine, "vllm-deployment.yaml")
+    result = run("render", "-f", str(EXAMPLES / name), "--pod", str(EXAMPLES / workload))
     assert result.returncode == 0, result.stderr
     objs = list(yaml.safe_load_all(result.stdout))
     assert objs[-1]["kind"] == "Deployment"
