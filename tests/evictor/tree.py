@@ -26,6 +26,11 @@ def vllm_fs_path(root: Path, i: int) -> Path:
     return root / "Qwen_Qwen3-0.6B_0123456789ab_r0" / k[:3] / f"{k[3:5]}_g0" / f"{k}.bin"
 
 
+def sglang_path(root: Path, i: int, suffix: str = "_Qwen-Qwen3-0.6B_0_1") -> Path:
+    """An SGLang HiCache file page: <sha256 hex><suffix>.bin, flat under sglang/."""
+    return root / "sglang" / f"{key(i)}{suffix}.bin"
+
+
 def write(path: Path, size: int, used_at: float) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\x01" * size)

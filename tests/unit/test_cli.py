@@ -16,6 +16,7 @@ from tests.helpers import EXAMPLES, tpc_doc
 CR_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*.yaml")
                      if yaml.safe_load(p.read_text())["kind"] == "TieredPrefixCache")
 K8S = kubernetes_validate.latest_version()
+# The sample workload each engine's examples are rendered into.
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -50,7 +50,7 @@ def test_crd_shape():
     assert props["eviction"]["properties"]["highWatermark"]["maximum"] == 100
     assert props["eviction"]["properties"]["highWatermark"]["default"] == 85
     assert props["connector"]["enum"] == ["native", "lmcache", "mooncake-store", "kvbm"]
-    assert props["engine"]["enum"] == ["vllm", "vllm-tpu"]
+    assert props["engine"]["enum"] == ["vllm", "vllm-tpu", "sglang"]
     assert "nullable" not in props["storage"]["properties"]["backend"]
 
 
@@ -141,7 +141,7 @@ def test_cel_rules_exist_for_cross_field_checks():
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
     # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake)
-    assert len(cross_field) == 14
+    assert len(cross_field) == 15
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",

@@ -37,7 +37,8 @@ CR_EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.gl
 CR_EXAMPLES = {n: d for n, d in CR_EXAMPLES.items() if d["kind"] == "TieredPrefixCache"}
 # vLLM-on-GPU variants meet the GPU pod shapes; the others meet their own workload's pods.
 VARIANTS = sorted(n for n, d in CR_EXAMPLES.items() if sample_workload(d) == VLLM_GPU)
-OTHER_ENGINES = sorted(n for n, d in CR_EXAMPLES.items() if sample_workload(d) != VLLM_GPU)
+# SGLang's pod shapes have their own file (test_webhook_sglang.py).
+TPU_VARIANTS = sorted(n for n, d in CR_EXAMPLES.items() if d["spec"].get("engine") == "vllm-tpu")
 
 
 def free_port() -> int:
@@ -243,8 +244,8 @@ def workload_pods(workload_file):
     return pods
 
 
-@pytest.mark.parametrize("variant", OTHER_ENGINES)
-async def test_other_engines_in_their_own_pod_shapes(webhook, variant):
+@pytest.mark.parametrize("variant", TPU_VARIANTS)
+async def test_tpu_engines_in_their_own_pod_shapes(webhook, variant):
     """TPU single-host pods, TPU multi-host leaders and workers: patched over HTTPS, the
     patch applied with an independent JSON-patch library, the result a valid Pod."""
     doc = CR_EXAMPLES[variant]

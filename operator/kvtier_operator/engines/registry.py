@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvtier_operator.engines.base import Adapter
+from kvtier_operator.engines.sglang_hicache import SglangHicache
 from kvtier_operator.engines.vllm_gpu import VllmLmcache, VllmNative
 from kvtier_operator.engines.vllm_kvbm import VllmKvbm
 from kvtier_operator.engines.vllm_mooncake import VllmMooncakeStore
@@ -22,6 +23,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     VllmMooncakeStore(),
     VllmKvbm(),
     VllmTpuNative(),
+    SglangHicache(),
 )
 _BY_PAIR: dict[tuple[str, str], Adapter] = {(str(a.engine), str(a.connector)): a
                                             for a in ADAPTERS}

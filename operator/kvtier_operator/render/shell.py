@@ -1,9 +1,10 @@
 """Read a `sh -c` command line with certainty, or say why not.
 
 kvtier edits a shell script in one place only: at the end of the one top-level command
-that starts vLLM (after its last word: vLLM 0.32 wants the model as the first word after
-`serve` when --served-model-name is given), where it adds constant text (never a value
-from a CR). This module finds
+that starts the model server (after its last word: vLLM 0.32 wants the model as the first
+word after `serve` when --served-model-name is given), where it adds constant or validated
+text (never a raw value from a CR). Which server that is, is an `EntryPoint` (vLLM's by
+default; SGLang's in render/sglang_entry.py). This module finds
 that place, and refuses, with the reason, whenever it cannot be certain how the shell
 will read the script up to there: a script it cannot fully parse (heredocs, backticks,
 subshells, `case`, arithmetic, an unterminated quote), no entry point at the start of a
@@ -18,16 +19,31 @@ it reads at most MAX_SCRIPT_CHARS.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier_operator.render.vllm_entry import (
-    CLI_MODULE,
-    SERVER_MODULE,
-    entry_point_end,
-    mention_offsets,
-    program,
-)
+from kvtier_operator.render import vllm_entry
+from kvtier_operator.render.vllm_entry import program
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """How one model server is started, as the scanner needs it."""
+    label: str  # for messages: "vLLM", "SGLang"
+    # A literal every spelling of the entry point contains (a command without it is
+    # skipped unread), and the word start a mention's offset points at.
+    needle: str
+    # entry_point_end(words, at): the index of the entry point's last word, else None.
+    end: Callable[[Sequence[str], int], int | None]
+    # Offsets of the needle of every place a text looks like it names the entry point.
+    mentions: Callable[[str], list[int]]
+    # `python -m` module words of the entry point (a mention points at them).
+    modules: frozenset[str]
+
+
+VLLM = EntryPoint(label="vLLM", needle="vllm", end=vllm_entry.entry_point_end,
+                  mentions=vllm_entry.mention_offsets,
+                  modules=frozenset({vllm_entry.SERVER_MODULE, vllm_entry.CLI_MODULE}))
 
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 # Longer scripts are not read at all (a conflict): real launch scripts are far shorter,
@@ -54,7 +70,8 @@ _SIMPLE_BRACED = re.compile(r"\$\{[^'\"`$\\{}()\n]*\}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SPECIAL_PARAMETER = frozenset("0123456789@*#?$!-")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-_NOT_A_WORD = "\0"  # stands for a word with quotes or expansions (a shell word has no NUL)
+# Stands for a word with quotes or expansions (a shell word has no NUL).
+NOT_A_WORD = _NOT_A_WORD = "\0"
 _REFUSED_COMMANDS = {
     "function": "a function definition",
     "case": "a case statement",
@@ -107,9 +124,12 @@ def script_index(words: Sequence[str], at: int) -> int | str | None:
 
 @dataclass(frozen=True)
 class EntryPointSearch:
-    """Where options for vLLM go in a script (insert_at), or why kvtier will not say."""
+    """Where options for the server go in a script (insert_at), or why kvtier will not
+    say. `args`: the words of that command after the entry point, as the shell passes
+    them where certain, NOT_A_WORD for a word with quotes, escapes or expansions."""
     insert_at: int | None
     problem: str = ""
+    args: tuple[str, ...] = ()
 
 
 class _Refused(Exception):
@@ -129,14 +149,17 @@ class _Scanner:
     """One pass over a script: words of each top-level command, comments, candidates.
 
     Written for speed (it runs in the admission webhook): plain locals in the loop,
-    tuples for words, and a command is looked at closely only if it contains "vllm".
+    tuples for words, and a command is looked at closely only if it contains the entry
+    point's needle ("vllm", "sglang").
     """
 
-    def __init__(self, script: str) -> None:
+    def __init__(self, script: str, entry: EntryPoint) -> None:
         self.s = script
+        self.entry = entry
         self.comments: list[tuple[int, int]] = []
-        # (offset of the "vllm" the mention finder sees, offset just after the last word)
-        self.candidates: list[tuple[int, int]] = []
+        # (offset of the needle the mention finder sees, offset just after the last word,
+        # the words after the entry point)
+        self.candidates: list[tuple[int, int, tuple[str, ...]]] = []
 
     def refuse(self, what: str, at: int) -> _Refused:
         return _Refused(f"the script has {what} (line {_line(self.s, at)}), which kvtier "
@@ -148,7 +171,8 @@ class _Scanner:
     def command(self, words: list[_Word]) -> None:
         """Look at one top-level simple command: is it an entry point kvtier can edit?"""
         s = self.s
-        if not words or s.find("vllm", words[0][0], words[-1][1]) < 0:
+        entry = self.entry
+        if not words or s.find(entry.needle, words[0][0], words[-1][1]) < 0:
             return
         k = 0
         while k < len(words) and _ASSIGNMENT.match(s, words[k][0], words[k][1]):
@@ -158,15 +182,16 @@ class _Scanner:
         texts = [self.text(w) for w in words[k:k + 12]]  # an entry point is a few words
         if texts and texts[0] in _REFUSED_COMMANDS:
             raise self.refuse(_REFUSED_COMMANDS[texts[0]], words[k][0])
-        end = entry_point_end(texts, 0)
+        end = entry.end(texts, 0)
         if end is None:
             return
-        module = next((words[k + j] for j in range(end + 1)
-                       if texts[j] in (SERVER_MODULE, CLI_MODULE)), None)
-        mention = module[0] if module is not None else words[k][1] - len("vllm")
+        module = next((words[k + j] for j in range(end + 1) if texts[j] in entry.modules),
+                      None)
+        mention = module[0] if module is not None else words[k][1] - len(entry.needle)
         # Options go after the command's last word, as in exec form: vLLM 0.32 refuses a
         # flag before the positional model when --served-model-name is given.
-        self.candidates.append((mention, words[-1][1]))
+        args = tuple(self.text(w) for w in words[k + end + 1:])
+        self.candidates.append((mention, words[-1][1], args))
 
     def scan(self) -> None:
         s = self.s
@@ -177,8 +202,9 @@ class _Scanner:
         plain = True
         redirect = False  # the next top-level word is a redirection's target
         stack = ["command"]  # "command" (top level or inside $(...)) or "double-quoted"
-        next_vllm = s.find("vllm")
-        next_vllm = n if next_vllm < 0 else next_vllm
+        needle = self.entry.needle
+        next_needle = s.find(needle)
+        next_needle = n if next_needle < 0 else next_needle
         i = 0
         while i < n:
             if stack[-1] == "double-quoted":
@@ -234,10 +260,10 @@ class _Scanner:
                     if redirect:
                         raise self.refuse("a redirection without a target", i)
                     if words:
-                        if words[-1][1] > next_vllm:  # else it cannot be an entry point
+                        if words[-1][1] > next_needle:  # else it cannot be an entry point
                             self.command(words)
-                            next_vllm = s.find("vllm", i)
-                            next_vllm = n if next_vllm < 0 else next_vllm
+                            next_needle = s.find(needle, i)
+                            next_needle = n if next_needle < 0 else next_needle
                         words = []
                 i += 2 if two in ("&&", "||", "|&") else 1
             elif c == "#":
@@ -316,20 +342,22 @@ class _Scanner:
         return i + 1  # a lone '$' is an ordinary character
 
 
-def find_entry_point(script: str) -> EntryPointSearch:
-    """Where options for vLLM may be added to script: after the last word of the one
-    top-level command that starts with vLLM's entry point, when the whole script is
+def find_entry_point(script: str, entry: EntryPoint = VLLM) -> EntryPointSearch:
+    """Where options for the server may be added to script: after the last word of the
+    one top-level command that starts with its entry point, when the whole script is
     understood and mentions no other entry point outside comments."""
+    label = entry.label
     if len(script) > MAX_SCRIPT_CHARS:
         return EntryPointSearch(None, f"the script is {len(script)} characters, more than "
                                       f"the {MAX_SCRIPT_CHARS} kvtier reads")
-    mentions = mention_offsets(script)
+    mentions = entry.mentions(script)
     if not mentions:
-        return EntryPointSearch(None, "the script does not start vLLM itself")
+        return EntryPointSearch(None, f"the script does not start {label} itself")
     if len(mentions) > MAX_MENTIONS:
-        return EntryPointSearch(None, f"the script mentions vLLM's entry point {len(mentions)} "
-                                      "times; kvtier cannot tell which one runs")
-    scanner = _Scanner(script)
+        return EntryPointSearch(None, f"the script mentions {label}'s entry point "
+                                      f"{len(mentions)} times; kvtier cannot tell which one "
+                                      "runs")
+    scanner = _Scanner(script, entry)
     try:
         scanner.scan()
     except _Refused as refused:
@@ -337,9 +365,9 @@ def find_entry_point(script: str) -> EntryPointSearch:
     mentions = _outside(mentions, scanner.comments)
     candidates = scanner.candidates
     if len(candidates) > 1:
-        lines = ", ".join(str(_line(script, m)) for m, _ in candidates[:3])
+        lines = ", ".join(str(_line(script, c[0])) for c in candidates[:3])
         more = ", ..." if len(candidates) > 3 else ""
-        return EntryPointSearch(None, f"the script starts vLLM in {len(candidates)} places "
+        return EntryPointSearch(None, f"the script starts {label} in {len(candidates)} places "
                                       f"(lines {lines}{more}); kvtier cannot tell which one "
                                       "runs")
     others = [m for m in mentions if not candidates or m != candidates[0][0]]
@@ -347,16 +375,16 @@ def find_entry_point(script: str) -> EntryPointSearch:
         where = _line(script, others[0])
         if candidates:
             return EntryPointSearch(None, (
-                f"the script also mentions vLLM's entry point on line {where}, inside quotes, "
+                f"the script also mentions {label}'s entry point on line {where}, inside quotes, "
                 "a command substitution or after a keyword, where kvtier cannot tell whether "
                 "it runs: reword or remove that mention"))
         return EntryPointSearch(None, (
-            f"the script names vLLM's entry point only where kvtier cannot edit it with "
+            f"the script names {label}'s entry point only where kvtier cannot edit it with "
             f"certainty (line {where}: inside quotes, a command substitution, after a "
             "keyword, or split by quotes)"))
     if not candidates:
-        return EntryPointSearch(None, "the script does not start vLLM itself")
-    return EntryPointSearch(candidates[0][1])
+        return EntryPointSearch(None, f"the script does not start {label} itself")
+    return EntryPointSearch(candidates[0][1], args=candidates[0][2])
 
 
 def _outside(offsets: list[int], spans: list[tuple[int, int]]) -> list[int]:

@@ -1,0 +1,82 @@
+"""The SGLang HiCache adapter: spec refusals naming the field, the evictor CronJob's
+layout, the router's page-sized blocks, and the sizing docs' worked example."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvtier_evictor import cli as evictor_cli
+from kvtier_operator.loading import InvalidResource, parse_tpc
+from kvtier_operator.render import sglang_hicache
+from kvtier_operator.render.context import RenderContext
+from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.pod import inject_workload
+from kvtier_operator.render.router import endpoint_picker_config
+from tests.helpers import ROOT, example, tpc_doc
+
+SGLANG = {"engine": "sglang", "sglang": {}}
+
+
+def tpc(spec):
+    return parse_tpc(tpc_doc({**SGLANG, **spec}))
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ({"engine": "sglang", "sglang": None}, "spec.sglang is required with engine sglang"),
+    ({"engine": "vllm", "sglang": {}}, "spec.sglang applies only to engine sglang"),
+    ({"storage": {"backend": "kvtier", "pvc": {"size": "1Ti"}}}, "spec.storage.backend"),
+    ({"storage": {"blockSize": 256, "pvc": {"size": "1Ti"}}}, "spec.storage.blockSize"),
+    ({"router": {"blockSize": 16}}, "spec.router.blockSize 16 differs from spec.sglang.pageSize"),
+    ({"cpu": {"size": "900M"}}, "under 1 GB"),
+    ({"cpu": None}, "spec.cpu is required"),
+    ({"connector": "lmcache"}, "engine sglang takes connector native"),
+    ({"sglang": {"writePolicy": "write_around"}}, "writePolicy"),
+])
+def test_invalid_sglang_specs_name_the_field(spec, needle):
+    doc = tpc_doc({**SGLANG, **spec})
+    doc["spec"] = {k: v for k, v in doc["spec"].items() if v is not None}
+    with pytest.raises(InvalidResource) as err:
+        parse_tpc(doc)
+    assert needle in str(err.value)
+
+
+def test_evictor_cronjob_runs_the_sglang_layout():
+    cj = render_cronjob(tpc({}), RenderContext())
+    container = cj["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    args = evictor_cli.build_parser().parse_args(container["args"])
+    assert args.layout == "sglang" and args.root == "/kv-cache"
+    doc = tpc_doc(SGLANG)
+    del doc["spec"]["storage"]
+    assert render_cronjob(parse_tpc(doc), RenderContext()) is None  # no shared tier
+
+
+def test_router_scores_in_sglang_pages():
+    config = endpoint_picker_config(tpc({"sglang": {"pageSize": 32},
+                                         "router": {"enabled": True}}))
+    params = [p.get("parameters") or {} for p in config["plugins"]]
+    assert {p["blockSizeTokens"] for p in params if "blockSizeTokens" in p} == {32}
+    # 100Gi / (256 KiB per token x 32 tokens)
+    assert [p["lruCapacityPerServer"] for p in params if "lruCapacityPerServer" in p] == [12800]
+
+
+def test_example_deployment_gets_the_flags_offline():
+    out, conflicts = inject_workload(parse_tpc(example("sglang-hicache.yaml")),
+                                     example("sglang-deployment.yaml"), RenderContext())
+    assert conflicts == []
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    assert "--hicache-size=214" in c["args"] and "--page-size=64" in c["args"]
+    assert c["resources"]["requests"]["memory"] == "601Gi"  # 200Gi + 400Gi + 1Gi headroom
+    assert out["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "20Gi"
+
+
+def test_sizing_doc_worked_example_is_what_the_code_computes():
+    section = (ROOT / "docs" / "sizing.md").read_text().split("## SGLang HiCache")[1]
+    example_text = section.split("Example:")[1].split("\n\n")[0]
+    size = int(re.search(r"--hicache-size=(\d+)", example_text).group(1))
+    blocks = int(re.search(r"([\d,]+) router blocks", example_text).group(1).replace(",", ""))
+    spec = tpc({"cpu": {"size": "400Gi"}}).spec
+    assert size == sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2)
+    from kvtier_operator.engines.registry import adapter_for
+    assert blocks == adapter_for(spec).router_cpu_blocks(spec)
