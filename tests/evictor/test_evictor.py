@@ -260,6 +260,18 @@ def test_lock_blocks_a_second_run_and_stale_lock_is_taken_over(tmp_path):
     assert not lock.exists()  # released after the run
 
 
+def test_a_directory_the_run_empties_goes_in_the_same_run_if_it_was_old_before(tmp_path):
+    files = lru_tree(tmp_path)
+    young = files[-1].parent  # a writer created or removed a name here just now
+    os.utime(young, (NOW - 10, NOW - 10))
+    report = make_run(tmp_path, capacity=11 * U).execute()
+    assert report.files_deleted == 3 and not any(f.exists() for f in files[-3:])
+    assert young.is_dir() and young.parent.is_dir()  # within the guard: kept
+    for f in files[-3:-1]:  # their directories were old before the run's deletions
+        assert not f.parent.exists() and not f.parent.parent.exists()
+    assert report.dirs_removed == 4
+
+
 def test_dry_run_deletes_nothing(tmp_path):
     files = lru_tree(tmp_path)
     # Directories young enough to stay: the plan is then the files' bytes alone (this
