@@ -21,7 +21,10 @@ from kvtier_evictor.report import Usage
 
 FILES = int(os.environ.get("KVTIER_BENCH_FILES", "1000000"))
 # Creating files on GlusterFS costs round trips: a smaller tree there by default.
-GLUSTER_FILES = int(os.environ.get("KVTIER_BENCH_GLUSTER_FILES", "20000"))
+GLUSTER_FILES = int(os.environ.get("KVTIER_BENCH_GLUSTER_FILES", "100000"))
+# 0: the evictor's own choice (its latency probe); the floor uses what the evictor used
+GLUSTER_THREADS = int(os.environ.get("KVTIER_BENCH_GLUSTER_THREADS", "0"))
+BUILD_THREADS = 32
 FREE_FRACTION = 0.30
 
 
@@ -34,10 +37,10 @@ def build(root: str, n: int, now: float, part: range | None = None) -> None:
         if d not in made:
             os.makedirs(d, exist_ok=True)
             made.add(d)
-        path = os.path.join(d, f"{k}.kvb")
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+        fd = os.open(os.path.join(d, f"{k}.kvb"), os.O_CREAT | os.O_WRONLY, 0o644)
         t = now - 3600 - (i * 7919 % n)  # access times spread over n seconds
-        os.utime(path, (t, t))
+        os.utime(fd, (t, t))
+        os.close(fd)
 
 
 def time_cmd(cmd: str) -> float:
@@ -86,9 +89,44 @@ def main() -> None:
     glusterfs()
 
 
+def leaf_dirs(root: str) -> list[str]:
+    base = os.path.join(root, "kvtier", "v1", "0123456789abcdef")
+    return [os.path.join(base, a, b) for a in sorted(os.listdir(base))
+            for b in sorted(os.listdir(os.path.join(base, a)))]
+
+
+def floor(root: str, threads: int, fraction: float) -> tuple[float, int, int]:
+    """The least a scan+unlink of the same tree can do here: threads list every leaf
+    directory and stat each file (by path), then unlink the oldest `fraction` of them by
+    path, directory by directory; no LRU heap, no re-check, no directory handles, no
+    directory removal. (seconds, files scanned, files deleted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def scan_dir(d: str) -> list[tuple[float, str]]:
+        with os.scandir(d) as it:
+            return [(max(st.st_atime, st.st_mtime), e.path) for e in it
+                    for st in (e.stat(follow_symlinks=False),)]
+
+    def unlink_all(paths: list[str]) -> None:
+        for path in paths:
+            os.unlink(path)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        dirs = leaf_dirs(root)
+        found = [f for files in pool.map(scan_dir, dirs, chunksize=16) for f in files]
+        found.sort()
+        doomed = sorted(path for _, path in found[:int(len(found) * fraction)])
+        per = max(1, len(doomed) // (threads * 8))
+        list(pool.map(unlink_all, [doomed[i:i + per] for i in range(0, len(doomed), per)]))
+    return time.perf_counter() - start, len(found), len(doomed)
+
+
 def glusterfs(n: int = GLUSTER_FILES) -> None:
     """The evictor on a one-brick GlusterFS volume (tests/glusterfs): threads chosen by its
-    own latency probe; time from above the high to below the low (inode) watermark."""
+    own latency probe; time from above the high to below the low (inode) watermark; then
+    the floor (a plain threaded scan+unlink) on what the evictor left (70% of the tree),
+    compared per file: building a second tree costs as long as both runs."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
@@ -96,31 +134,48 @@ def glusterfs(n: int = GLUSTER_FILES) -> None:
     from tests.glusterfs import GlusterUnavailable, gluster_volume
 
     now = time.time()
+    # inodes: per file one, per directory two (GlusterFS keeps a gfid link per directory
+    # in the brick), and GlusterFS's own 65,536 gfid fan-out directories
+    size_mib = max(512, (n + 3 * 65536) * 4096 // 2**20 * 5 // 4)
     try:
         with gluster_volume(Path(tempfile.mkdtemp(prefix="kvtier-bench-evictor-gluster-")),
-                            size_mib=512, mounts=1, bytes_per_inode=4096) as vol:
-            root = str(vol.mounts[0] / "a")
+                            size_mib=size_mib, mounts=1, bytes_per_inode=4096) as vol:
+            roots = [str(vol.mounts[0] / "a")]
             t = time.perf_counter()
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda s: build(root, n, now, range(s, n, 16)), range(16)))
-            print(f"\n{n:,} files on GlusterFS (one brick, FUSE over TCP loopback), "
-                  f"built in {time.perf_counter() - t:.1f}s")
+            with ThreadPoolExecutor(BUILD_THREADS) as pool:
+                list(pool.map(lambda job: build(job[0], n, now,
+                                                range(job[1], n, BUILD_THREADS)),
+                              [(r, s) for r in roots for s in range(BUILD_THREADS)]))
+            print(f"\n{n:,} files on GlusterFS (one brick, FUSE over TCP loopback),"
+                  f" built in {time.perf_counter() - t:.1f}s")
 
             def usage() -> Usage:
                 return Usage(used_bytes=0, capacity_bytes=1, used_inodes=n,
                              capacity_inodes=n)
 
-            config = Config(root=root, layout=KVTIER, high_watermark=99, low_watermark=98,
-                            inode_high_watermark=90,
+            config = Config(root=roots[0], layout=KVTIER, high_watermark=99,
+                            low_watermark=98, inode_high_watermark=90,
                             inode_low_watermark=100 * (1 - FREE_FRACTION),
-                            min_idle_seconds=600)
+                            min_idle_seconds=600, threads=GLUSTER_THREADS)
             start = time.perf_counter()
             report = Run(config, usage_source=usage).execute()
             took = time.perf_counter() - start
             assert report.files_scanned == n, report
-            print(f"evictor on GlusterFS (threads by its latency probe): {took:.2f}s from "
-                  f"above high to below low, {n / took:,.0f} files/s scanned, "
-                  f"{report.files_deleted:,} deleted ({report.files_deleted / took:,.0f}/s);"
-                  f" 1M files at this rate: {1e6 / (n / took) / 60:.1f} min")
+            deleting = took - report.scan_seconds
+            print(f"evictor on GlusterFS ({report.threads} threads"
+                  f"{' by its latency probe' if not GLUSTER_THREADS else ''}): {took:.2f}s "
+                  f"from above high to below low; scan {report.scan_seconds:.2f}s "
+                  f"({n / report.scan_seconds:,.0f} files/s), delete {deleting:.2f}s "
+                  f"({report.files_deleted:,} files, {report.dirs_removed:,} emptied "
+                  f"directories: {report.files_deleted / deleting:,.0f} files/s); "
+                  f"{n / took:,.0f} files/s overall; 1M files at this rate: "
+                  f"{1e6 / (n / took) / 60:.1f} min")
+            floor_threads = report.threads
+            floor_s, scanned, deleted = floor(roots[0], floor_threads, FREE_FRACTION)
+            print(f"floor on the {scanned:,} files left (plain scan+stat of every file, "
+                  f"unlink the oldest {FREE_FRACTION:.0%} by path, {floor_threads} threads):"
+                  f" {floor_s:.2f}s, {deleted:,} deleted; {scanned / floor_s:,.0f} files/s "
+                  f"overall; evictor/floor time per file: "
+                  f"{(took / n) / (floor_s / scanned):.2f}x")
     except GlusterUnavailable as err:
         print(f"\nevictor on GlusterFS: skipped ({err})")

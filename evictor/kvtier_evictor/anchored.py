@@ -8,6 +8,12 @@ to the one above it, and the caller re-checks and unlinks the file relative to t
 one: whatever is swapped meanwhile, only a name inside the real directory tree under the
 root can be removed. The root itself is opened as given (a root that is a symlink is the
 administrator's choice, and is followed).
+
+Directories below the root are opened with O_PATH where the platform has it: a name
+lookup only, no open of the directory itself (on a FUSE or network filesystem an
+OPENDIR/RELEASEDIR round trip pair saved per directory). Such an fd serves as dir_fd for
+fstatat, unlinkat and rmdir, which is all it is used for; O_DIRECTORY with O_NOFOLLOW
+still refuses a symlink in the directory's place (ENOTDIR).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import os
 from collections.abc import Sequence
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+# Below the root: a handle for *at() calls, not for reading (see the module docstring).
+_BELOW_FLAGS = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC \
+    | os.O_NOFOLLOW
 # errnos of opening a directory with O_NOFOLLOW when something else stands there now
 REPLACED = frozenset({errno.ELOOP, errno.ENOTDIR})
 
@@ -55,7 +64,8 @@ class Root:
 
 class DirChain:
     """The open directories along one path below the root, kept while the next path
-    shares them (sort the paths to share most). One thread's; close() when done.
+    shares them: visit directories in sorted order and each is opened once (the caller
+    groups its work by directory). One thread's; close() when done.
 
     open() raises OSError: FileNotFoundError where a directory is gone, an errno in
     REPLACED where a symlink or a file stands in its place now."""
@@ -75,7 +85,7 @@ class DirChain:
         self._close_from(shared)
         parent = self._fds[-1] if self._fds else self._root.fd
         for name in names[shared:]:
-            parent = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+            parent = os.open(name, _BELOW_FLAGS, dir_fd=parent)
             self._names.append(name)
             self._fds.append(parent)
         return parent

@@ -8,13 +8,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from kvtier_evictor.anchored import REPLACED, DirChain, Root
 from kvtier_evictor.layouts import Layout
 from kvtier_evictor.lock import LockHeld, VolumeLock
+from kvtier_evictor.plan import DirTally
 from kvtier_evictor.report import (
     ABOVE_LOW_WATERMARK,
     ERROR,
@@ -28,7 +29,8 @@ from kvtier_evictor.usage import over, statvfs_usage, to_free
 
 log = logging.getLogger("kvtier_evictor")
 MAX_ERROR_MESSAGES = 20
-BATCH = 4096
+PIECE = 64  # directories per task handed to a deleting thread
+CHECK_SECONDS = 1.0  # how often deletion refreshes the lock and re-reads the usage
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Run:
         self._budget_bytes = 0  # cache bytes found by the last full scan (budget mode)
         self._errors_lock = threading.Lock()  # _error runs on the delete pool's threads
         self._root: Root | None = None  # open while files are deleted
+        self._tally = DirTally({})  # what is left in each directory the scan saw
+        self._budget_start = 0  # budget mode: cache bytes before anything was deleted
+        self._stop = threading.Event()  # deletion reached the low watermarks early
 
     # ------------------------------------------------------------- usage
 
@@ -117,6 +122,7 @@ class Run:
             # Budget mode: statvfs says nothing about our share, so measure it first.
             totals = scan(cfg.root, cfg.layout, self._rules(), None, cfg.threads)
             self._budget_bytes = totals.block_bytes + totals.temp_bytes
+            self._budget_start = self._budget_bytes
         before = self.usage()
         self.report.usage_before = before
         self.report.usage_after = before
@@ -129,24 +135,28 @@ class Run:
         log.info("usage %.1f%% bytes, %.1f%% inodes: freeing %d bytes and %d files",
                  before.percent, before.inode_percent, want_bytes, want_inodes)
         selection = LruSelection(want_bytes, want_inodes)
+        scan_started = time.perf_counter()
         totals = scan(cfg.root, cfg.layout, self._rules(), selection, cfg.threads)
+        self.report.scan_seconds = round(time.perf_counter() - scan_started, 3)
+        self.report.threads = totals.threads
         self.report.files_scanned = totals.files
         self.report.skipped_recent = totals.skipped_recent
         for message in totals.errors:
             self._error(message)
-        log.info("scanned %d block files with %d thread(s); %d used within minIdle; %d "
-                 "candidates; %d stale temp files", totals.files, totals.threads,
-                 totals.skipped_recent, len(selection), len(totals.stale_temps))
+        log.info("scanned %d block files with %d thread(s) in %.1fs; %d used within "
+                 "minIdle; %d candidates; %d stale temp files", totals.files, totals.threads,
+                 self.report.scan_seconds, totals.skipped_recent, len(selection),
+                 len(totals.stale_temps))
+        self._tally = DirTally(totals.directories)
         with Root(cfg.root) as root:  # every deletion goes through directory fds below it
             self._root = root
             try:
                 self._reap_temps(totals.stale_temps)
-                self._delete(selection.oldest_first(), lock, totals.threads)
                 self._remove_dirs(totals.empty_dirs)
+                self._free(selection.oldest_first(), lock, totals.threads, want_bytes,
+                           want_inodes)
             finally:
                 self._root = None
-        if cfg.capacity_bytes is not None:
-            self._budget_bytes = max(self._budget_bytes - self.report.bytes_freed, 0)
         after = self.usage()
         self.report.usage_after = after
         if self.report.errors and not (self.report.files_deleted or
@@ -156,10 +166,11 @@ class Run:
             self.report.outcome = ABOVE_LOW_WATERMARK
         else:
             self.report.outcome = FREED
-        log.info("deleted %d files (%d bytes), reaped %d temp files and %d directories; "
-                 "usage now %.1f%% bytes, %.1f%% inodes", self.report.files_deleted,
-                 self.report.bytes_freed, self.report.temp_files_reaped,
-                 self.report.dirs_removed, after.percent, after.inode_percent)
+        log.info("deleted %d files (the fewest that reach the target: %d), reaped %d temp "
+                 "files and removed %d directories, %d bytes freed; usage now %.1f%% bytes, "
+                 "%.1f%% inodes", self.report.files_deleted, self.report.files_minimum,
+                 self.report.temp_files_reaped, self.report.dirs_removed,
+                 self.report.bytes_freed, after.percent, after.inode_percent)
 
     # ----------------------------------------------------------- actions
     # Everything is deleted relative to directories opened below the root without
@@ -172,28 +183,41 @@ class Run:
             raise RuntimeError("the volume root is not open")
         return DirChain(self._root)
 
-    def _recheck(self, cand: Candidate, chain: DirChain
-                 ) -> tuple[int, str, os.stat_result] | bool:
-        """(directory fd, name, stat) where the scanned file is still there; False where
-        it is gone, True where something else stands on its path now."""
+    def _names(self, path: str) -> list[str] | None:
         assert self._root is not None
         try:
-            *dirs, name = self._root.names(cand.path)
-            dir_fd = chain.open(dirs)
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False  # a writer or another cleaner got there first
+            return self._root.names(path)
         except ValueError as err:
             self._error(str(err))
-            return False
+            return None
+
+    def _open_dir(self, names: list[str], path: str, chain: DirChain) -> int | bool:
+        """The directory's fd; False where it is gone (or unreadable: an error), True
+        where something else stands on its path now."""
+        try:
+            return chain.open(names)
+        except FileNotFoundError:
+            return False  # a writer or another cleaner got there first
         except OSError as err:
             if err.errno in REPLACED:
                 return True  # a directory on its path is no directory any more
+            self._error(f"open {path}: {err.strerror or err}")
+            return False
+
+    def _recheck(self, cand: Candidate, dir_fd: int, name: str
+                 ) -> os.stat_result | bool:
+        """The file's stat where the scanned file is still there; False where it is
+        gone, True where something else stands in its place now."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False  # a writer or another cleaner got there first
+        except OSError as err:
             self._error(f"stat {cand.path}: {err.strerror or err}")
             return False
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (cand.dev, cand.ino):
             return True  # replaced since the scan (a rewrite, a rename, a swap)
-        return dir_fd, name, st
+        return st
 
     def _unlink(self, dir_fd: int, name: str, path: str) -> bool:
         if self.cfg.dry_run:
@@ -207,79 +231,206 @@ class Run:
             self._error(f"unlink {path}: {err.strerror or err}")
             return False
 
+    def _remove_up(self, directory: str, chain: DirChain) -> Freed:
+        """Remove a directory the tally says stands empty, then each parent it leaves
+        empty (when old before the run). A writer racing this gets ENOTEMPTY here (it
+        stays), or a store that fails or recreates the directory: no data lost."""
+        freed = Freed()
+        while not self.cfg.dry_run:
+            names = self._names(directory)
+            if names is None:
+                break
+            parent_fd = self._open_dir(names[:-1], directory, chain)
+            if isinstance(parent_fd, bool):
+                break
+            try:
+                os.rmdir(names[-1], dir_fd=parent_fd)  # a symlink there: ENOTDIR
+            except OSError:
+                break  # no longer empty (a writer is using it), gone, or replaced
+            freed.dirs += 1
+            freed.dir_bytes += self._tally.directories[directory].bytes
+            directory = os.path.dirname(directory)
+            if not self._tally.removed_from(directory):
+                break
+        return freed
+
     def _reap_temps(self, temps: Iterable[Candidate]) -> None:
+        freed = Freed()
         with self._chain() as chain:
             for cand in sorted(temps, key=lambda c: c.path):
-                found = self._recheck(cand, chain)
-                if isinstance(found, bool):
+                directory, name = os.path.split(cand.path)
+                names = self._names(directory)
+                if names is None:
                     continue
-                dir_fd, name, st = found
+                dir_fd = self._open_dir(names, directory, chain)
+                if isinstance(dir_fd, bool):
+                    continue
+                st = self._recheck(cand, dir_fd, name)
+                if isinstance(st, bool):
+                    continue
                 if self.clock() - st.st_mtime < self.cfg.temp_guard_seconds:
                     continue  # written to since the scan: its writer is alive
                 if self._unlink(dir_fd, name, cand.path):
                     self.report.temp_files_reaped += 1
                     self.report.bytes_freed += st.st_size
-
-    def _delete_one(self, cand: Candidate, chain: DirChain) -> tuple[int, int, int]:
-        """(deleted, bytes, changed): re-stat just before unlinking so a file used or
-        replaced since the scan is kept."""
-        found = self._recheck(cand, chain)
-        if isinstance(found, bool):
-            return 0, 0, int(found)
-        dir_fd, name, st = found
-        used = last_use(st)
-        if used > cand.last_use or self.clock() - used < self.cfg.min_idle_seconds:
-            return 0, 0, 1
-        if self._unlink(dir_fd, name, cand.path):
-            return 1, cand.size, 0
-        return 0, 0, 0
-
-    def _delete_chunk(self, chunk: list[Candidate]) -> tuple[int, int, int]:
-        """One worker's share of a batch, in path order: neighbours share the directories
-        opened for the one before."""
-        deleted = freed = changed = 0
-        with self._chain() as chain:
-            for cand in sorted(chunk, key=lambda c: c.path):
-                d, b, c = self._delete_one(cand, chain)
-                deleted, freed, changed = deleted + d, freed + b, changed + c
-        return deleted, freed, changed
-
-    def _delete(self, candidates: list[Candidate], lock: VolumeLock, threads: int) -> None:
-        """Oldest first, in batches; each worker takes a slice of a batch (one task per
-        slice, not per file: thread handoffs cost more than a local unlink)."""
-        cfg = self.cfg
-        workers = max(1, threads)
-        last_progress = self.clock()
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for start in range(0, len(candidates), BATCH):
-                batch = candidates[start:start + BATCH]
-                slices = [batch[i::workers] for i in range(workers) if batch[i::workers]]
-                for deleted, size, changed in pool.map(self._delete_chunk, slices):
-                    self.report.files_deleted += deleted
-                    self.report.bytes_freed += size
-                    self.report.skipped_changed += changed
-                lock.refresh()
-                if cfg.capacity_bytes is None and not cfg.dry_run and not self._over_low(
-                    self._statvfs()
-                ):
-                    break  # below both low watermarks already
-                if self.clock() - last_progress >= cfg.progress_seconds:
-                    last_progress = self.clock()
-                    log.info("progress: %d/%d candidates handled, %d deleted",
-                             start + len(batch), len(candidates), self.report.files_deleted)
+                    if self._tally.removed_from(directory):
+                        freed.add(self._remove_up(directory, chain))
+        self._count(freed)
 
     def _remove_dirs(self, paths: Iterable[str]) -> None:
-        if self.cfg.dry_run:
-            return
-        assert self._root is not None
+        """Directories the scan found empty and old (and each parent that leaves empty)."""
+        freed = Freed()
         with self._chain() as chain:
             for path in sorted(paths, key=len, reverse=True):  # children before parents
-                try:
-                    *dirs, name = self._root.names(path)
-                    os.rmdir(name, dir_fd=chain.open(dirs))  # a symlink there: ENOTDIR
-                    self.report.dirs_removed += 1
-                except (OSError, ValueError):
-                    pass  # no longer empty (a writer is using it), gone, or replaced
+                freed.add(self._remove_up(path, chain))
+        self._count(freed)
+
+    def _count(self, freed: Freed) -> None:
+        report = self.report
+        report.files_deleted += freed.files
+        report.bytes_freed += freed.file_bytes + freed.dir_bytes
+        report.dir_bytes_freed += freed.dir_bytes
+        report.dirs_removed += freed.dirs
+        report.skipped_changed += freed.changed
+        if self.cfg.capacity_bytes is not None:  # the budget counts the cache's files only
+            self._budget_bytes = max(self._budget_start - report.bytes_freed
+                                     + report.dir_bytes_freed, 0)
+
+    # ---------------------------------------------------------- deletion
+
+    def _free(self, oldest_first: list[Candidate], lock: VolumeLock, threads: int,
+              want_bytes: int, want_inodes: int) -> None:
+        """Delete the fewest of the oldest files that reach the target (what the run set
+        out to free, less what reaping temp files and empty directories freed), counting
+        the directories they empty; where the volume is still above a low watermark after
+        that (files used again since the scan were kept, writers kept writing), the next
+        oldest for what is still missing, until below or out of candidates."""
+        cfg = self.cfg
+        report = self.report
+        dir_bytes = cfg.capacity_bytes is None  # a budget counts the cache's files only
+        want_bytes -= report.bytes_freed - (0 if dir_bytes else report.dir_bytes_freed)
+        want_inodes -= report.temp_files_reaped + report.dirs_removed
+        n = self._tally.fewest(oldest_first, want_bytes, want_inodes, dir_bytes)
+        report.files_minimum = n
+        rest = oldest_first
+        while n:
+            self._delete(rest[:n], lock, threads)
+            rest = rest[n:]
+            if cfg.dry_run or not rest:
+                break  # a dry run changed nothing on the volume: the plan is the answer
+            usage = self.usage()
+            if not self._over_low(usage):
+                break
+            want_bytes, want_inodes = to_free(usage, cfg.low_watermark,
+                                              cfg.inode_low_watermark)
+            n = self._tally.fewest(rest, want_bytes, want_inodes, dir_bytes)
+
+    def _delete(self, candidates: list[Candidate], lock: VolumeLock, threads: int) -> None:
+        """Directory by directory, in path order: each directory is opened once (its
+        chain shared with the one before) for all its files, and removed once they
+        leave it empty. Threads take pieces of consecutive directories."""
+        by_dir: dict[str, list[Candidate]] = {}
+        for cand in candidates:
+            by_dir.setdefault(os.path.dirname(cand.path), []).append(cand)
+        dirs = sorted(by_dir)
+        pieces = [[(d, by_dir[d]) for d in dirs[i:i + PIECE]]
+                  for i in range(0, len(dirs), PIECE)]
+        self._stop.clear()
+        last_check = time.monotonic()
+        last_progress = self.clock()
+        done = 0
+
+        def between_pieces() -> None:
+            nonlocal last_check, last_progress
+            if time.monotonic() - last_check < CHECK_SECONDS:
+                return
+            last_check = time.monotonic()
+            lock.refresh()
+            if (self.cfg.capacity_bytes is None and not self.cfg.dry_run
+                    and not self._over_low(self._statvfs())):
+                self._stop.set()  # below both low watermarks already
+            if self.clock() - last_progress >= self.cfg.progress_seconds:
+                last_progress = self.clock()
+                log.info("progress: %d/%d directories handled, %d files deleted", done,
+                         len(dirs), self.report.files_deleted)
+
+        if threads <= 1:
+            for piece in pieces:
+                self._count(self._delete_piece(piece))
+                done += len(piece)
+                between_pieces()
+                if self._stop.is_set():
+                    break
+            return
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            pending: set[Future[Freed]] = {pool.submit(self._delete_piece, piece)
+                                           for piece in pieces}
+            while pending:
+                finished, pending = wait(pending, timeout=CHECK_SECONDS,
+                                         return_when=FIRST_COMPLETED)
+                for future in finished:
+                    if future.cancelled():
+                        continue
+                    self._count(future.result())
+                    done += PIECE
+                between_pieces()
+                if self._stop.is_set():
+                    for future in pending:
+                        future.cancel()  # those not started; the rest see the flag
+
+    def _delete_piece(self, piece: list[tuple[str, list[Candidate]]]) -> Freed:
+        freed = Freed()
+        with self._chain() as chain:
+            for directory, cands in piece:
+                if self._stop.is_set():
+                    break
+                freed.add(self._delete_in(directory, cands, chain))
+        return freed
+
+    def _delete_in(self, directory: str, cands: list[Candidate], chain: DirChain) -> Freed:
+        """One directory's candidates: re-stat each just before unlinking so a file used
+        or replaced since the scan is kept; then the directory if that emptied it."""
+        freed = Freed()
+        names = self._names(directory)
+        if names is None:
+            return freed
+        dir_fd = self._open_dir(names, directory, chain)
+        if isinstance(dir_fd, bool):
+            freed.changed = len(cands) if dir_fd else 0
+            return freed
+        for cand in cands:
+            name = os.path.basename(cand.path)
+            st = self._recheck(cand, dir_fd, name)
+            if isinstance(st, bool):
+                freed.changed += st
+                continue
+            used = last_use(st)
+            if used > cand.last_use or self.clock() - used < self.cfg.min_idle_seconds:
+                freed.changed += 1
+                continue
+            if self._unlink(dir_fd, name, cand.path):
+                freed.files += 1
+                freed.file_bytes += cand.size
+        if freed.files and self._tally.removed_from(directory, freed.files):
+            freed.add(self._remove_up(directory, chain))
+        return freed
+
+
+@dataclass
+class Freed:
+    """What one step of deletion did (summed into the report on the main thread)."""
+    files: int = 0
+    file_bytes: int = 0
+    dirs: int = 0
+    dir_bytes: int = 0
+    changed: int = 0  # kept: used again or replaced since the scan
+
+    def add(self, other: Freed) -> None:
+        self.files += other.files
+        self.file_bytes += other.file_bytes
+        self.dirs += other.dirs
+        self.dir_bytes += other.dir_bytes
+        self.changed += other.changed
 
 
 def run(config: Config) -> EvictionReport:

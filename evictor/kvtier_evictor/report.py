@@ -62,11 +62,18 @@ class EvictionReport:
     usage_after: Usage = field(default_factory=Usage)
     files_scanned: int = 0
     files_deleted: int = 0
-    bytes_freed: int = 0
+    # The fewest of the oldest files whose bytes, with the directories they leave empty,
+    # reach the target (as the usage stood when deletion began): files_deleted exceeds
+    # it only where files were kept (skipped_changed) or writers kept writing.
+    files_minimum: int = 0
+    bytes_freed: int = 0  # files, temp files and directories
+    dir_bytes_freed: int = 0  # the share of bytes_freed that was emptied directories
     skipped_recent: int = 0
     skipped_changed: int = 0  # used again between selection and unlink
     temp_files_reaped: int = 0
     dirs_removed: int = 0
+    threads: int = 0  # scanning and deleting threads (0: no scan)
+    scan_seconds: float = 0.0
     errors: int = 0
     error_messages: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION

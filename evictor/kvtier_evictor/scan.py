@@ -1,5 +1,6 @@
 """Parallel scan of a cache layout: LRU candidates in a bounded heap, stale temp files,
-old empty directories.
+old empty directories, and what each removable directory held before this run deleted
+anything (so a directory the run empties can go in the same run).
 
 Memory stays bounded by what must be freed: the heap keeps only the oldest files whose
 sizes add up to the bytes (and count up to the inodes) to free, never a list of every
@@ -89,6 +90,14 @@ class LruSelection:
                 for neg, size, path, dev, ino in sorted(self._heap, reverse=True)]
 
 
+class DirInfo(NamedTuple):
+    """A removable cache directory as the scan found it, before this run's deletions
+    (which bump its mtime)."""
+    bytes: int  # allocated: what removing it frees
+    entries: int  # names in it: it stands empty once as many are gone
+    old: bool  # untouched by any writer for dir_guard_seconds before the scan
+
+
 @dataclass
 class ScanTotals:
     files: int = 0
@@ -97,6 +106,7 @@ class ScanTotals:
     skipped_recent: int = 0
     stale_temps: list[Candidate] = field(default_factory=list)  # last_use: the mtime
     empty_dirs: list[str] = field(default_factory=list)
+    directories: dict[str, DirInfo] = field(default_factory=dict)  # removable levels only
     errors: list[str] = field(default_factory=list)
     threads: int = 1  # how many threads the scan chose (deletion uses as many)
     dirs: int = 0
@@ -113,6 +123,7 @@ class ScanTotals:
         self.skipped_recent += other.skipped_recent
         self.stale_temps += other.stale_temps
         self.empty_dirs += other.empty_dirs
+        self.directories.update(other.directories)
         self.errors += other.errors
 
 
@@ -158,14 +169,21 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
     totals = ScanTotals()
 
     def walk(directory: str, lvl: int) -> None:
+        removable = lvl > layout.first_removable_level  # lvl: its children's level
+        if removable:  # its age and size before anything here is deleted
+            totals.dirs += 1  # one more call to time (scan's thread choice)
+            try:
+                dir_st = os.stat(directory, follow_symlinks=False)
+            except OSError:
+                removable = False  # gone or unreadable: nothing to remove
         entries = _scandir(directory, totals)
         totals.dirs += 1
-        if not entries and lvl > layout.first_removable_level:
-            try:
-                if rules.now - os.stat(directory).st_mtime >= rules.dir_guard_seconds:
-                    totals.empty_dirs.append(directory)
-            except OSError:
-                pass
+        if removable:
+            old = rules.now - dir_st.st_mtime >= rules.dir_guard_seconds
+            totals.directories[directory] = DirInfo(dir_st.st_blocks * 512, len(entries), old)
+            if not entries and old:
+                totals.empty_dirs.append(directory)
+        if not entries:
             return
         at_leaf = lvl == len(layout.dir_levels)
         offers: list[tuple[float, int, str, int, int]] = []

@@ -31,8 +31,9 @@ U = 16 * KB  # block-aligned, so allocated bytes equal file sizes
 
 
 def make_run(root: Path, capacity: int, layout=KVTIER, now: float = NOW, **cfg) -> Run:
-    config = Config(root=str(root), layout=layout, min_idle_seconds=600,
-                    temp_guard_seconds=3600, dir_guard_seconds=600, threads=4, **cfg)
+    settings = {"min_idle_seconds": 600, "temp_guard_seconds": 3600,
+                "dir_guard_seconds": 600, "threads": 4, **cfg}
+    config = Config(root=str(root), layout=layout, **settings)
     return Run(config, clock=lambda: now, usage_source=FilesUsage(root, capacity))
 
 
@@ -97,7 +98,7 @@ def test_reaps_stale_temps_but_not_fresh_ones(tmp_path):
 
 
 def test_removes_old_empty_dirs_only_inside_layout(tmp_path):
-    lru_tree(tmp_path)
+    files = lru_tree(tmp_path)
     base = tmp_path / "kvtier" / "v1" / FP
     old_empty = base / "ff" / "ee"
     young_empty = base / "ff" / "dd"
@@ -111,7 +112,10 @@ def test_removes_old_empty_dirs_only_inside_layout(tmp_path):
     report = make_run(tmp_path, capacity=11 * U).execute()
     assert not old_empty.exists() and young_empty.exists()
     assert empty_fp.exists()  # fingerprint directories are never removed
-    assert report.dirs_removed == 1
+    # the three oldest files went, and with them the fan-out directories they emptied
+    emptied = {d for f in files[-3:] for d in (f.parent, f.parent.parent)}
+    assert report.files_deleted == 3 and not any(d.exists() for d in emptied)
+    assert report.dirs_removed == 1 + len(emptied)
 
 
 def test_foreign_files_are_never_touched(tmp_path):
@@ -256,9 +260,24 @@ def test_lock_blocks_a_second_run_and_stale_lock_is_taken_over(tmp_path):
     assert not lock.exists()  # released after the run
 
 
+def test_a_directory_the_run_empties_goes_in_the_same_run_if_it_was_old_before(tmp_path):
+    files = lru_tree(tmp_path)
+    young = files[-1].parent  # a writer created or removed a name here just now
+    os.utime(young, (NOW - 10, NOW - 10))
+    report = make_run(tmp_path, capacity=11 * U).execute()
+    assert report.files_deleted == 3 and not any(f.exists() for f in files[-3:])
+    assert young.is_dir() and young.parent.is_dir()  # within the guard: kept
+    for f in files[-3:-1]:  # their directories were old before the run's deletions
+        assert not f.parent.exists() and not f.parent.parent.exists()
+    assert report.dirs_removed == 4
+
+
 def test_dry_run_deletes_nothing(tmp_path):
     files = lru_tree(tmp_path)
-    report = make_run(tmp_path, capacity=11 * U, dry_run=True).execute()
+    # Directories young enough to stay: the plan is then the files' bytes alone (this
+    # test's usage counts files only, where a real statvfs counts directories too).
+    report = make_run(tmp_path, capacity=11 * U, dry_run=True,
+                      dir_guard_seconds=10**9).execute()
     assert report.files_deleted == 3 and report.dry_run
     assert all(f.exists() for f in files)
 

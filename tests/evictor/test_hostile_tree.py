@@ -54,11 +54,15 @@ def test_names_ending_in_a_newline_are_never_deleted(tmp_path):
     os.utime(empty, (ANCIENT, ANCIENT))
     # The hostile names are the oldest: a run that took them for blocks would pick them
     # first. 15 files in 8 units of capacity: to get below 70%, all 10 blocks must go.
+    dirs_before = {p for p in tmp_path.rglob("*") if p.is_dir()}
     report = make_run(tmp_path, capacity=8 * U).execute()
     assert report.files_deleted == 10
     assert all(p.exists() for p in hostile), "a name outside the layout was deleted"
     assert empty.is_dir()
-    assert report.temp_files_reaped == 0 and report.dirs_removed == 0
+    assert report.temp_files_reaped == 0
+    removed = dirs_before - {p for p in tmp_path.rglob("*") if p.is_dir()}
+    assert all("\n" not in str(p) for p in removed)  # only the layout's, emptied by the run
+    assert report.dirs_removed == len(removed)
 
 
 def test_vllm_fs_and_lmcache_names_ending_in_a_newline_are_kept(tmp_path):
