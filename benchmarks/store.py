@@ -4,6 +4,9 @@ Same directory, same block sizes, same total thread count, O_DIRECT wherever the
 filesystem takes it (both probe it). kvtier computes and verifies a 64-bit digest per block;
 vLLM's tier (its fs_io_C extension where built) writes and reads raw bytes. The raw
 device figure is one sequential O_DIRECT stream over one file, no per-block files.
+Both systems run through the storage probe's own functions (kvtier_offload.probe: rows
+of one page-aligned array, one job or call per thread's share), so `python -m
+kvtier_offload probe --vllm` on a volume measures what this measures there.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
-from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
+from kvtier_offload import probe
+from kvtier_offload.probe import Arena, vllm_paths  # noqa: F401 (floor imports it here)
+from kvtier_offload.store import probe_o_direct
 
 TOTAL = int(os.environ.get("KVTIER_BENCH_STORE_BYTES", str(2 << 30)))
 THREADS = int(os.environ.get("KVTIER_BENCH_THREADS", "16"))
@@ -44,60 +48,17 @@ def keys(n: int, salt: str) -> list[bytes]:
     return [hashlib.sha256(f"{salt}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
 
 
-def vllm_paths(root: str, block_keys: list[bytes]) -> list[str]:
-    """Where vLLM's fs tier puts these blocks (its layout: rank, then two hash levels)."""
-    paths = []
-    for k in block_keys:
-        h = k[:32].hex()
-        paths.append(os.path.join(root, "vllm_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin"))
-    return paths
+def vllm_fs(root: str, block: int, n: int, arena: Arena) -> tuple[float, float]:
+    run = probe.vllm(root, arena, n, THREADS, between=drop_caches)
+    return run.store_gbps, run.load_gbps
 
 
-def vllm_fs(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
-    from vllm.v1.kv_offload.tiering.fs import io
-
-    direct = io.probe_o_direct(root)
-    view = memoryview(arena)
-    paths = vllm_paths(root, keys(n, "vllm"))
-    offsets = [(i % (len(arena) // block)) * block for i in range(n)]
-    batches = [list(range(t, n, THREADS)) for t in range(THREADS)]
-
-    def run(fn: Callable[..., None]) -> float:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(THREADS) as pool:
-            list(pool.map(lambda idx: fn([paths[i] for i in idx], view,
-                                         [offsets[i] for i in idx], block, direct), batches))
-        return time.perf_counter() - start
-
-    store_s = run(io.batch_store_block)
-    drop_caches()
-    load_s = run(io.batch_load_block)
-    return n * block / store_s / 1e9, n * block / load_s / 1e9
-
-
-def kvtier(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
-    half = max(THREADS // 2, 1)
-    store = BlockStore(StoreConfig(root=root, fingerprint="0123456789abcdef", read_threads=half,
-                                   write_threads=THREADS - half, write_queue_seconds=3600))
-    try:
-        rows = [memoryview(arena)[i * block:(i + 1) * block]
-                for i in range(len(arena) // block)]
-        ks = keys(n, "kvtier")
-        items = [(k, rows[i % len(rows)]) for i, k in enumerate(ks)]
-        start = time.perf_counter()
-        store.store(1, items)
-        store.drain()
-        store_s = time.perf_counter() - start
-        assert store.finished()[0].success
-        drop_caches()
-        start = time.perf_counter()
-        store.load(2, items)
-        store.drain()
-        load_s = time.perf_counter() - start
-        assert store.finished()[0].success
-    finally:
-        store.close()
-    return n * block / store_s / 1e9, n * block / load_s / 1e9
+def kvtier(root: str, block: int, n: int, arena: Arena) -> tuple[float, float]:
+    """The store as kvtier's vLLM tier drives it (the probe's own measurement: one job
+    per thread's share, rows of one page-aligned array); every block must succeed."""
+    run = probe.kvtier(root, arena, n, THREADS, between=drop_caches)
+    assert run.failures == 0, f"{run.failures} blocks failed"
+    return run.store_gbps, run.load_gbps
 
 
 def raw_device(root: str, total: int) -> tuple[float, float]:
@@ -144,8 +105,8 @@ def alternate(run: Callable[[str], tuple[float, float]], rounds: int = ROUNDS) -
 
 def side_by_side(results: Rounds) -> tuple[list[float], str]:
     """Medians [vLLM store, kvtier store, vLLM load, kvtier load] and the table cells
-    "ratio | ... | store ratios | load ratios" (every round) that follow them. The two ran back to back
-    in each round: the spread of the per-round ratios says how far the medians can be
+    "ratio | ... | store ratios | load ratios" (every round) that follow them. The two ran
+    back to back in each round: the spread of the per-round ratios says how far the medians can be
     trusted on a machine whose speed drifts."""
     v_store, v_load = (median([r[i] for r in results["vllm"]]) for i in (0, 1))
     k_store, k_load = (median([r[i] for r in results["kvtier"]]) for i in (0, 1))
@@ -212,10 +173,9 @@ def compare(base: str, label: str, total: int = TOTAL,
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for block in sizes:
         n = max(total // block, 1)
-        arena = mmap.mmap(-1, min(ARENA_ROWS, n) * block)
-        arena[:] = os.urandom(len(arena))
+        arena = Arena.make(block, n)
 
-        def run(name: str, block: int = block, n: int = n, arena: mmap.mmap = arena) -> (
+        def run(name: str, block: int = block, n: int = n, arena: Arena = arena) -> (
                 tuple[float, float]):
             root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
             try:
