@@ -4,6 +4,9 @@ Same directory, same block sizes, same total thread count, O_DIRECT wherever the
 filesystem takes it (both probe it). kvtier computes and verifies a 64-bit digest per block;
 vLLM's tier (its fs_io_C extension where built) writes and reads raw bytes. The raw
 device figure is one sequential O_DIRECT stream over one file, no per-block files.
+Both systems run through the storage probe's own functions (kvtier_offload.probe: rows
+of one page-aligned array, one job or call per thread's share), so `python -m
+kvtier_offload probe --vllm` on a volume measures what this measures there.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
-from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
+from kvtier_offload import probe
+from kvtier_offload.probe import Arena, vllm_paths  # noqa: F401 (floor imports it here)
+from kvtier_offload.store import probe_o_direct
 
 TOTAL = int(os.environ.get("KVTIER_BENCH_STORE_BYTES", str(2 << 30)))
 THREADS = int(os.environ.get("KVTIER_BENCH_THREADS", "16"))
@@ -26,6 +30,9 @@ ARENA_ROWS = 64
 # GlusterFS (FUSE over TCP loopback): every open/rename/stat a round trip; smaller runs.
 GLUSTER_TOTAL = int(os.environ.get("KVTIER_BENCH_GLUSTER_BYTES", str(512 << 20)))
 GLUSTER_BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20, 64 << 20)  # 64 MiB: 32B model, 256 tok
+GLUSTER_ROUNDS = int(os.environ.get("KVTIER_BENCH_GLUSTER_ROUNDS", "2"))
+# Where `python -m benchmarks store` runs: any of disk, ram, glusterfs (comma-separated).
+WHERE = set(os.environ.get("KVTIER_BENCH_STORE_ON", "disk,ram,glusterfs").split(","))
 
 
 def drop_caches() -> None:
@@ -41,60 +48,17 @@ def keys(n: int, salt: str) -> list[bytes]:
     return [hashlib.sha256(f"{salt}{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
 
 
-def vllm_paths(root: str, block_keys: list[bytes]) -> list[str]:
-    """Where vLLM's fs tier puts these blocks (its layout: rank, then two hash levels)."""
-    paths = []
-    for k in block_keys:
-        h = k[:32].hex()
-        paths.append(os.path.join(root, "vllm_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin"))
-    return paths
+def vllm_fs(root: str, block: int, n: int, arena: Arena) -> tuple[float, float]:
+    run = probe.vllm(root, arena, n, THREADS, between=drop_caches)
+    return run.store_gbps, run.load_gbps
 
 
-def vllm_fs(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
-    from vllm.v1.kv_offload.tiering.fs import io
-
-    direct = io.probe_o_direct(root)
-    view = memoryview(arena)
-    paths = vllm_paths(root, keys(n, "vllm"))
-    offsets = [(i % (len(arena) // block)) * block for i in range(n)]
-    batches = [list(range(t, n, THREADS)) for t in range(THREADS)]
-
-    def run(fn: Callable[..., None]) -> float:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(THREADS) as pool:
-            list(pool.map(lambda idx: fn([paths[i] for i in idx], view,
-                                         [offsets[i] for i in idx], block, direct), batches))
-        return time.perf_counter() - start
-
-    store_s = run(io.batch_store_block)
-    drop_caches()
-    load_s = run(io.batch_load_block)
-    return n * block / store_s / 1e9, n * block / load_s / 1e9
-
-
-def kvtier(root: str, block: int, n: int, arena: mmap.mmap) -> tuple[float, float]:
-    half = max(THREADS // 2, 1)
-    store = BlockStore(StoreConfig(root=root, fingerprint="0123456789abcdef", read_threads=half,
-                                   write_threads=THREADS - half, write_queue_seconds=3600))
-    try:
-        rows = [memoryview(arena)[i * block:(i + 1) * block]
-                for i in range(len(arena) // block)]
-        ks = keys(n, "kvtier")
-        items = [(k, rows[i % len(rows)]) for i, k in enumerate(ks)]
-        start = time.perf_counter()
-        store.store(1, items)
-        store.drain()
-        store_s = time.perf_counter() - start
-        assert store.finished()[0].success
-        drop_caches()
-        start = time.perf_counter()
-        store.load(2, items)
-        store.drain()
-        load_s = time.perf_counter() - start
-        assert store.finished()[0].success
-    finally:
-        store.close()
-    return n * block / store_s / 1e9, n * block / load_s / 1e9
+def kvtier(root: str, block: int, n: int, arena: Arena) -> tuple[float, float]:
+    """The store as kvtier's vLLM tier drives it (the probe's own measurement: one job
+    per thread's share, rows of one page-aligned array); every block must succeed."""
+    run = probe.kvtier(root, arena, n, THREADS, between=drop_caches)
+    assert run.failures == 0, f"{run.failures} blocks failed"
+    return run.store_gbps, run.load_gbps
 
 
 def raw_device(root: str, total: int) -> tuple[float, float]:
@@ -129,11 +93,11 @@ def median(values: list[float]) -> float:
 Rounds = dict[str, list[tuple[float, float]]]  # system: (store, load) GB/s of each round
 
 
-def alternate(run: Callable[[str], tuple[float, float]]) -> Rounds:
-    """ROUNDS rounds of run("vllm") and run("kvtier"). Each goes first in every other
+def alternate(run: Callable[[str], tuple[float, float]], rounds: int = ROUNDS) -> Rounds:
+    """`rounds` rounds of run("vllm") and run("kvtier"). Each goes first in every other
     round: the VM disk's burst budget favours whoever runs first after a pause."""
     results: Rounds = {"vllm": [], "kvtier": []}
-    for round_ in range(ROUNDS):
+    for round_ in range(rounds):
         for name in ("vllm", "kvtier") if round_ % 2 == 0 else ("kvtier", "vllm"):
             results[name].append(run(name))
     return results
@@ -141,28 +105,34 @@ def alternate(run: Callable[[str], tuple[float, float]]) -> Rounds:
 
 def side_by_side(results: Rounds) -> tuple[list[float], str]:
     """Medians [vLLM store, kvtier store, vLLM load, kvtier load] and the table cells
-    "ratio | ... | store range | load range" that follow them. The two ran back to back
-    in each round: the spread of the per-round ratios says how far the medians can be
+    "ratio | ... | store ratios | load ratios" (every round) that follow them. The two ran
+    back to back in each round: the spread of the per-round ratios says how far the medians can be
     trusted on a machine whose speed drifts."""
     v_store, v_load = (median([r[i] for r in results["vllm"]]) for i in (0, 1))
     k_store, k_load = (median([r[i] for r in results["kvtier"]]) for i in (0, 1))
     pairs = list(zip(results["kvtier"], results["vllm"], strict=True))
-    stores = sorted(k[0] / v[0] for k, v in pairs)
-    loads = sorted(k[1] / v[1] for k, v in pairs)
+    stores = [k[0] / v[0] for k, v in pairs]
+    loads = [k[1] / v[1] for k, v in pairs]
     return [v_store, k_store, v_load, k_load], (
-        f"{stores[0]:.2f}-{stores[-1]:.2f} | {loads[0]:.2f}-{loads[-1]:.2f} |")
+        f"{by_round(stores)} | {by_round(loads)} |")
+
+
+def by_round(ratios: list[float]) -> str:
+    """Every round's ratio, in the order the rounds ran."""
+    return " ".join(f"{r:.2f}" for r in ratios)
 
 
 def on_disk_and_in_ram(compare: Callable[[str, str], None], prefix: str) -> None:
     """compare(directory, label) on the disk (KVTIER_BENCH_DIR, else a temp dir) and on
     /dev/shm where there is one."""
-    disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix=prefix)
-    try:
-        compare(disk, "disk")
-    finally:
-        if not os.environ.get("KVTIER_BENCH_DIR"):
-            shutil.rmtree(disk, ignore_errors=True)
-    if os.path.isdir("/dev/shm"):
+    if "disk" in WHERE:
+        disk = os.environ.get("KVTIER_BENCH_DIR") or tempfile.mkdtemp(prefix=prefix)
+        try:
+            compare(disk, "disk")
+        finally:
+            if not os.environ.get("KVTIER_BENCH_DIR"):
+                shutil.rmtree(disk, ignore_errors=True)
+    if "ram" in WHERE and os.path.isdir("/dev/shm"):
         ram = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
         try:
             compare(ram, "RAM (/dev/shm: no device, software cost only)")
@@ -186,13 +156,15 @@ def on_glusterfs(compare: Callable[[str, str], None], prefix: str, size_mib: int
 
 
 def compare(base: str, label: str, total: int = TOTAL,
-            sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
-    """Alternate vLLM and kvtier for ROUNDS rounds per block size, swapping who goes first;
-    medians (the VM disks these run on swing by 2-5x between minutes, so single runs
-    mislead)."""
+            sizes: tuple[int, ...] = BLOCK_SIZES, rounds: int = ROUNDS,
+            keep: bool = False) -> None:
+    """Alternate vLLM and kvtier for `rounds` rounds per block size, swapping who goes
+    first; medians (the VM disks these run on swing by 2-5x between minutes, so single
+    runs mislead) and every round's ratio. keep: leave each run's files (a throwaway
+    volume where removing them costs more than the run)."""
     print(f"\n### {label}: {base}, O_DIRECT {'yes' if probe_o_direct(base) else 'no'}, "
-          f"{total >> 20} MiB per run, {THREADS} threads, median of {ROUNDS} alternating rounds")
-    raw = [raw_device(base, total) for _ in range(ROUNDS)]
+          f"{total >> 20} MiB per run, {THREADS} threads, median of {rounds} alternating rounds")
+    raw = [raw_device(base, total) for _ in range(rounds)]
     os.unlink(os.path.join(base, "raw.bin"))
     raw_w, raw_r = median([w for w, _ in raw]), median([r for _, r in raw])
     print(f"raw (one O_DIRECT stream): write {raw_w:.2f} GB/s, read {raw_r:.2f} GB/s\n")
@@ -201,28 +173,36 @@ def compare(base: str, label: str, total: int = TOTAL,
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for block in sizes:
         n = max(total // block, 1)
-        arena = mmap.mmap(-1, min(ARENA_ROWS, n) * block)
-        arena[:] = os.urandom(len(arena))
+        arena = Arena.make(block, n)
 
-        def run(name: str, block: int = block, n: int = n, arena: mmap.mmap = arena) -> (
+        def run(name: str, block: int = block, n: int = n, arena: Arena = arena) -> (
                 tuple[float, float]):
             root = tempfile.mkdtemp(prefix=f"{name}-", dir=base)
             try:
                 return {"vllm": vllm_fs, "kvtier": kvtier}[name](root, block, n, arena)
             finally:
-                shutil.rmtree(root, ignore_errors=True)
+                if not keep:
+                    shutil.rmtree(root, ignore_errors=True)
 
-        (v_store, k_store, v_load, k_load), ranges = side_by_side(alternate(run))
+        (v_store, k_store, v_load, k_load), ranges = side_by_side(alternate(run, rounds))
         print(f"| {block >> 10} KiB | {v_store:.2f} GB/s | {k_store:.2f} GB/s | "
               f"{k_store / v_store:.2f}x | {v_load:.2f} GB/s | {k_load:.2f} GB/s | "
               f"{k_load / v_load:.2f}x | {k_store / raw_w:.2f} | {k_load / raw_r:.2f} | {ranges}")
 
 
 def compare_glusterfs(base: str, label: str) -> None:
-    compare(base, label, GLUSTER_TOTAL, GLUSTER_BLOCK_SIZES)
+    compare(base, label, GLUSTER_TOTAL, GLUSTER_BLOCK_SIZES, GLUSTER_ROUNDS, keep=True)
+
+
+def gluster_volume_mib() -> int:
+    """Room for every run's files (they are kept: the volume goes at the end) and the raw
+    stream's file."""
+    runs = 2 * GLUSTER_ROUNDS * len(GLUSTER_BLOCK_SIZES)
+    return (runs + 1) * (GLUSTER_TOTAL >> 20) * 17 // 16 + 512
 
 
 def main() -> None:
     on_disk_and_in_ram(compare, "kvtier-bench-store-")
-    on_glusterfs(compare_glusterfs, "kvtier-bench-store-gluster-",
-                 size_mib=3 * (GLUSTER_TOTAL >> 20) + 256)
+    if "glusterfs" in WHERE:
+        on_glusterfs(compare_glusterfs, "kvtier-bench-store-gluster-",
+                     size_mib=gluster_volume_mib())

@@ -81,13 +81,31 @@ def install(target: str) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from kvtier_offload.probe import probe
+    from kvtier_offload.probe import probe, vllm_available
 
-    result = probe(args.path, args.block_bytes, args.total_bytes, args.threads)
-    print(f"path {result.path}: O_DIRECT {'yes' if result.o_direct else 'no'}, "
-          f"{result.blocks} blocks of {result.block_bytes} bytes, {result.threads} threads")
-    print(f"store {result.store_gbps:.2f} GB/s, load {result.load_gbps:.2f} GB/s, "
+    if args.vllm and not vllm_available():
+        print("--vllm: vLLM (its fs tier, 0.32) is not installed here", file=sys.stderr)
+        return 2
+    try:
+        result = probe(args.path, args.block_bytes, args.total_bytes, args.threads,
+                       compare_vllm=args.vllm, rounds=args.rounds)
+    except ValueError as err:
+        print(f"--block-bytes: {err}", file=sys.stderr)
+        return 2
+    print(f"path {result.path}: O_DIRECT {'yes' if result.o_direct else 'no'} (as the store "
+          f"used it), {'C batch' if result.batch_path else 'Python'} path, "
+          f"{result.blocks} blocks of {result.block_bytes} bytes in "
+          f"{'pinned' if result.pinned else 'page-aligned'} rows, {result.jobs} jobs on "
+          f"{result.threads} threads, median of {len(result.kvtier_rounds)} round(s)")
+    print(f"kvtier: store {result.store_gbps:.3f} GB/s, load {result.load_gbps:.3f} GB/s, "
           f"{result.failures} failures")
+    if result.vllm:
+        v_store = sorted(r.store_gbps for r in result.vllm)
+        v_load = sorted(r.load_gbps for r in result.vllm)
+        print(f"vLLM fs tier (O_DIRECT {'yes' if result.vllm[0].o_direct else 'no'}): store "
+              f"{v_store[len(v_store) // 2]:.3f} GB/s, load {v_load[len(v_load) // 2]:.3f} GB/s")
+        print("kvtier/vLLM by round (store, load): " + ", ".join(
+            f"{s:.2f}x {ld:.2f}x" for s, ld in result.ratios()))
     if args.kv_bytes_per_token:
         breakeven = result.breakeven_tokens_per_second(args.kv_bytes_per_token)
         verdict = ("loading beats recomputing" if breakeven > args.prefill_tokens_per_second
@@ -107,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--path", required=True)
     pr.add_argument("--block-bytes", type=int, default=16 << 20)
     pr.add_argument("--total-bytes", type=int, default=1 << 30)
-    pr.add_argument("--threads", type=int, default=16)
+    pr.add_argument("--threads", type=int, default=16,
+                    help="I/O threads, and jobs: one per thread's share of the blocks")
+    pr.add_argument("--vllm", action="store_true",
+                    help="also run vLLM's own fs tier I/O on the same volume, alternating")
+    pr.add_argument("--rounds", type=int, default=1,
+                    help="rounds (kvtier and, with --vllm, vLLM each first in turn)")
     pr.add_argument("--kv-bytes-per-token", type=int, default=0)
     pr.add_argument("--prefill-tokens-per-second", type=float, default=10_000.0)
     args = parser.parse_args(argv)

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
-import mmap
 import os
-import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,30 +36,42 @@ import numpy as np
 
 from kvtier_offload import batchio, native
 from kvtier_offload import digest as payload_digest
+from kvtier_offload.admission import WriteAdmission
+from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
 from kvtier_offload.digest import digest
-from kvtier_offload.fileformat import (
-    HEADER_SIZE,
-    BadBlock,
-    decode_header,
-    encode_header,
-    header_prefix,
-    padded,
-)
+from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
+from kvtier_offload.fileio import BlockFiles, advance, regular_file_at, remove_bad, touch
 from kvtier_offload.iopool import IOPool
+from kvtier_offload.jobs import Job, JobOutcome, JobTable, Result, time_left
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
+from kvtier_offload.lookup import BackgroundLookup, LookupCache
 from kvtier_offload.metrics import Metrics, observe_all
+from kvtier_offload.probes import file_seconds, probe_o_direct
+
+__all__ = ["BATCH_BYTES", "MEMORY_SPEED_SECONDS", "PIECE", "WAIT_SECONDS", "BlockStore",
+           "JobOutcome", "StoreConfig", "hot_path", "probe_memory_speed", "probe_o_direct"]
 
 log = logging.getLogger("kvtier_offload")
 
-BACKOFF_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.EROFS,
-                  errno.EPERM}
-ALIGN = 4096
 BATCH_BYTES = 8 << 20  # a batch task moves at most this much (at least one block)
 PIECE = 512 << 10  # larger blocks move in pieces of this on memory-speed volumes
 # drain() and close() wait at most this long by default: far longer than any healthy
 # job (a store waits at most write_queue_seconds to start), short enough that a thread
 # stuck on a hung mount does not hang its caller for good.
 WAIT_SECONDS = 120.0
+MEMORY_SPEED_SECONDS = 250e-6  # per 256 KiB file write or read: a RAM-backed volume
+
+# The parts' names older callers (tests) import from here.
+_Rows = RowArray
+_advance = advance
+
+
+def probe_memory_speed(directory: str, o_direct: bool) -> bool:
+    """Whether whole 256 KiB files are created, written, read and removed here at memory
+    speed (tmpfs, a page-cached mount): then the I/O threads are CPU-bound. False where
+    the volume cannot tell (read-only, full): every thread is kept."""
+    seconds = file_seconds(directory, o_direct)
+    return seconds is not None and seconds < MEMORY_SPEED_SECONDS
 
 
 def hot_path(batch_io: bool) -> tuple[str, str]:
@@ -108,224 +117,22 @@ class StoreConfig:
 
 
 @dataclass
-class JobOutcome:
-    job_id: int
-    kind: str  # "store" or "load"
-    keys: list[bytes]
-    ok: list[bool]
-    nbytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def success(self) -> bool:
-        return all(self.ok)
-
-    @property
-    def ok_prefix(self) -> list[bytes]:
-        """Keys loaded before the first failure: a prefix is what a cache can use."""
-        out = []
-        for key, ok in zip(self.keys, self.ok, strict=True):
-            if not ok:
-                break
-            out.append(key)
-        return out
-
-
-@dataclass
 class _BatchProgress:
     settled: set[int] = field(default_factory=set)  # indices reported done
     approved: set[int] = field(default_factory=set)  # indices reserved against the floor
 
 
-@dataclass
-class _Job:
-    outcome: JobOutcome
-    remaining: int
-    started: float = field(default_factory=time.monotonic)
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until deadline (monotonic), at least 0; None for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _address(buf: memoryview) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
-
-
-def _aligned(buf: memoryview) -> bool:
-    return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first n bytes of a scatter/gather list (after a partial readv/writev)."""
-    while views and n >= len(views[0]):
-        n -= len(views[0])
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
-
-
-def _odd_kind(mode: int) -> str | None:
-    """What a file of this mode is, where it is not a regular file (None where it is)."""
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-class NotAFile(BadBlock):
-    """Something other than a regular file at a block's path."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__("not-a-file", f"a {kind} at a block path")
-        self.kind = kind
-
-
-def probe_o_direct(directory: str) -> bool:
-    """Whether files in directory accept O_DIRECT I/O (tmpfs, overlayfs and some NFS
-    mounts refuse it)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    path = os.path.join(directory, f".o_direct_probe.{os.getpid()}.tmp")
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-        try:
-            return os.write(fd, buf) == ALIGN
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        buf.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-MEMORY_SPEED_SECONDS = 250e-6  # per 256 KiB file write or read: a RAM-backed volume
-
-
-def probe_memory_speed(directory: str, o_direct: bool) -> bool:
-    """Whether whole 256 KiB files are created, written, read and removed here at memory
-    speed (tmpfs, a page-cached mount): then the I/O threads are CPU-bound."""
-    buf = mmap.mmap(-1, 256 << 10)
-    flag = os.O_DIRECT if o_direct else 0
-    paths = [os.path.join(directory, f".speed_probe.{os.getpid()}.{i}.tmp") for i in range(4)]
-    try:
-        start = time.perf_counter()
-        for path in paths:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | flag, 0o600)
-            try:
-                os.write(fd, buf)
-            finally:
-                os.close(fd)
-            fd = os.open(path, os.O_RDONLY | flag)
-            try:
-                os.readv(fd, [buf])
-            finally:
-                os.close(fd)
-        return (time.perf_counter() - start) / (2 * len(paths)) < MEMORY_SPEED_SECONDS
-    except OSError:
-        return False  # cannot tell (read-only, full): keep every thread
-    finally:
-        buf.close()
-        for path in paths:  # the probe's files go whether it finished or not
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-
-class _Buffers:
-    """A job's blocks in memory (a load's destinations, a store's sources) as buffer
-    objects, one per block."""
-
-    def __init__(self, buffers: list[memoryview]) -> None:
-        self._buffers = buffers
-
-    def view(self, index: int) -> memoryview:
-        return memoryview(self._buffers[index])
-
-    def size(self, index: int) -> int:
-        return len(self._buffers[index])
-
-    def sizes(self, indices: list[int]) -> np.ndarray:
-        return np.array([len(self._buffers[i]) for i in indices], dtype=np.int64)
-
-    def total(self) -> int:
-        return sum(len(b) for b in self._buffers)
-
-    def batchable(self, batch: range, direct: bool,
-                  writes_into: bool = True) -> tuple[list[int], np.ndarray]:
-        """The blocks of batch the C extension may take (write into, for a load), and
-        their addresses."""
-        indices: list[int] = []
-        addresses: list[int] = []
-        for index in batch:
-            dest = self._buffers[index]
-            if writes_into and memoryview(dest).readonly:
-                continue
-            at = batchio.address(dest)
-            if batchio.eligible(dest, direct, at):
-                indices.append(index)
-                addresses.append(at)
-        return indices, np.array(addresses, dtype=np.int64)
-
-
-class _Rows:
-    """A job's blocks in memory as rows of one 2-D uint8 array: block i is row ids[i].
-    Every row has the same size and alignment, so one check covers all."""
-
-    def __init__(self, rows: np.ndarray, ids: np.ndarray) -> None:
-        if rows.ndim != 2 or rows.dtype != np.uint8:
-            raise ValueError(f"rows must be a 2-D uint8 array, not {rows.ndim}-D {rows.dtype}")
-        if len(ids) and ids.view(np.uint64).max() >= rows.shape[0]:  # negatives wrap: huge
-            raise IndexError(f"row ids must lie in [0, {rows.shape[0]})")
-        self._rows, self._ids = rows, ids
-        self._row = rows.shape[1]
-        self._base = int(rows.ctypes.data)
-        self._stride = rows.strides[0]
-        self._contiguous = rows.strides[1] == 1
-        self._writable = bool(rows.flags.writeable)
-
-    def view(self, index: int) -> memoryview:
-        return memoryview(self._rows[self._ids[index]])
-
-    def size(self, index: int) -> int:
-        return self._row
-
-    def sizes(self, indices: list[int]) -> np.ndarray:
-        return np.full(len(indices), self._row, dtype=np.int64)
-
-    def total(self) -> int:
-        return len(self._ids) * self._row
-
-    def batchable(self, batch: range, direct: bool,
-                  writes_into: bool = True) -> tuple[list[int], np.ndarray]:
-        aligned = self._row % 8 == 0 and (not direct or (
-            self._row % 4096 == 0 and self._base % 4096 == 0 and self._stride % 4096 == 0))
-        usable = self._contiguous and (self._writable or not writes_into)
-        if not (usable and aligned and self._row):
-            return [], np.zeros(0, dtype=np.int64)
-        return list(batch), self._base + self._ids[batch.start:batch.stop] * self._stride
-
-
-_Dests = _Buffers | _Rows
-
-
 class BlockStore:
+    """Loads and stores of whole jobs of blocks, never blocking the caller on I/O, and
+    lookups answered from a cache. It composes the parts: jobs (jobs.JobTable) run on
+    an I/O pool (iopool.IOPool) in batch tasks; the lookup cache and its threads
+    (lookup); write admission (admission.WriteAdmission); the block files (fileio,
+    the C extension through batchio, the Python path for the rest). It owns what ties
+    them together: which blocks go which way, and what each outcome counts and logs."""
+
     def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
-        self._base_c = os.fsencode(self.layout.base)  # what the batch path builds on
-        self._prefix = header_prefix(config.fingerprint)
         self.metrics = metrics or Metrics()
         try:
             self.layout.ensure_dir(self.layout.base)
@@ -342,32 +149,21 @@ class BlockStore:
                         payload_digest.BACKEND, why)
         self.metrics.native.labels(code).set(1 if code == "ok" else 0)
         if config.o_direct == "auto":
-            self.o_direct = probe_o_direct(self.layout.base)
+            direct = probe_o_direct(self.layout.base)
         else:
-            self.o_direct = config.o_direct == "on"
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._jobs: dict[int, _Job] = {}
-        self._finished: deque[JobOutcome] = deque()
-        self._cache: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
-        self._lookup_queue: deque[bytes] = deque()
-        self._lookup_pending: dict[bytes, float] = {}  # key -> when first asked
-        self._lookup_cv = threading.Condition()
-        self._write_bps = 0.0  # EMA of store throughput, bytes/s
-        self._queued_write_bytes = 0
-        self._unwritten = 0  # bytes approved for writing, not yet written or failed
-        self._made_dirs: set[bytes] = set()  # fan-out directories, by a key's first 2 bytes
-        self._blocked_until = 0.0
-        self._backoff = 0.0
-        self._free_checked = (0.0, 0, 0)  # (when, free bytes left, floor bytes)
-        self._logged: set[str] = set()
-        self._unfinished_logged = -math.inf  # when drain() last warned (monotonic)
-        self._closed = False
-        memory_speed = probe_memory_speed(self.layout.base, self.o_direct)
+            direct = config.o_direct == "on"
+        memory_speed = probe_memory_speed(self.layout.base, direct)
         # Where files move at memory speed, large blocks go piece by piece, each hashed
         # while in cache; a device or network wants one large I/O per file instead.
-        self._piece = PIECE if memory_speed else 0
+        self._files = BlockFiles(self.layout, direct, config.fsync,
+                                 PIECE if memory_speed else 0)
+        self._jobs = JobTable(self.metrics.in_queue)
+        self._lookups = LookupCache(config.lookup_hit_ttl, config.lookup_miss_ttl,
+                                    config.lookup_cache_entries)
+        self._admission = WriteAdmission(self.layout.base, config.write_queue_seconds,
+                                         config.free_space_floor_percent)
+        self._logged: set[str] = set()
+        self._closed = False
         limit = config.io_threads
         if not limit and memory_speed:
             limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -376,77 +172,73 @@ class BlockStore:
         if limit and limit < reads + writes:
             reads, writes = limit, 0  # every thread then takes loads before stores
         self._pool = IOPool(reads, writes)
-        self._lookup_threads = [
-            threading.Thread(target=self._lookup_loop, daemon=True, name=f"kvtier-lookup-{n}")
-            for n in range(max(1, config.lookup_threads))]
-        for thread in self._lookup_threads:
-            thread.start()
+        # Through self at each call: a test may replace _stat_key on the instance.
+        self._background = BackgroundLookup(
+            lambda key: self._stat_key(key), config.lookup_threads, config.lookup_queue_limit,
+            min(config.lookup_pending_seconds, config.lookup_hit_ttl / 2))
 
-    # ------------------------------------------------------------- helpers
+    # ------------------------------------------------ settings and parts' state
+
+    @property
+    def o_direct(self) -> bool:
+        """Whether block files are read and written with O_DIRECT."""
+        return self._files.direct
+
+    @o_direct.setter
+    def o_direct(self, value: bool) -> None:
+        self._files.direct = value
+
+    @property
+    def _piece(self) -> int:
+        return self._files.piece
+
+    @_piece.setter
+    def _piece(self, value: int) -> None:
+        self._files.piece = value
+
+    @property
+    def _blocked_until(self) -> float:
+        return self._admission.blocked_until
+
+    @_blocked_until.setter
+    def _blocked_until(self, value: float) -> None:
+        self._admission.blocked_until = value
+
+    @property
+    def _unwritten(self) -> int:
+        return self._admission.unwritten_bytes
+
+    @property
+    def _queued_write_bytes(self) -> int:
+        return self._admission.queued_bytes
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The job table's lock: held, a caller may edit _finished."""
+        return self._jobs.lock
+
+    @property
+    def _finished(self) -> deque[JobOutcome]:
+        return self._jobs.outcomes
+
+    # ---------------------------------------------------------------- helpers
 
     def _log_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._logged:
             self._logged.add(what)
             log.warning(message + " (logged once; see kvtier_offload_* metrics)", *args)
 
-    def _buffer(self, size: int, name: str = "bounce") -> mmap.mmap:
-        """A page-aligned buffer per I/O thread and use, grown on demand."""
-        buf: mmap.mmap | None = getattr(self._local, name, None)
-        if buf is None or len(buf) < size:
-            if buf is not None:
-                buf.close()
-            buf = mmap.mmap(-1, padded(size))
-            setattr(self._local, name, buf)
-        return buf
-
     def _batches(self, count: int, block: int, reads: bool) -> list[range]:
         """Split a job into batch tasks: enough for the I/O threads free for it right
         now, each at most BATCH_BYTES (one block at least); one block per task on the
         Python path. A lone job spreads over every thread (its latency); under a backlog
         a job goes whole, since more pieces would only queue, and every task costs
-        interpreter time and GIL hand-offs (16 threads on 1-block tasks: 256 KiB loads at
-        1.4 GB/s, 4.7 GB/s split this way on the same 2 cores)."""
+        interpreter time and GIL hand-offs."""
         if not self.batch_io:
             return [range(i, i + 1) for i in range(count)]
         ways = max(1, self._pool.spare(reads))
         per_task = max(1, min(-(-count // ways), BATCH_BYTES // max(block, 1)))
         return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
-
-    def _remember(self, key: bytes, present: bool) -> None:
-        self._remember_all([key], present)
-
-    def _remember_all(self, keys: Sequence[bytes], present: bool) -> None:
-        ttl = self.cfg.lookup_hit_ttl if present else self.cfg.lookup_miss_ttl
-        entry = (present, time.monotonic() + ttl)
-        with self._lock:
-            for key in keys:
-                self._cache[key] = entry
-                self._cache.move_to_end(key)
-            while len(self._cache) > self.cfg.lookup_cache_entries:
-                self._cache.popitem(last=False)
-
-    def _cached(self, key: bytes) -> bool | None:
-        with self._lock:
-            entry = self._cache.get(key)
-        return self._answer(entry, time.monotonic())
-
-    @staticmethod
-    def _answer(entry: tuple[bool, float] | None, now: float) -> bool | None:
-        """A lookup-cache entry's answer now: None where there is none or it expired."""
-        return None if entry is None or entry[1] < now else entry[0]
-
-    def _touch(self, path: str, st: os.stat_result) -> None:
-        """Refresh atime on a hit so the evictor's LRU holds on noatime/relatime mounts;
-        at most once per touch_interval per file (its own atime says when)."""
-        now = time.time()
-        if now - max(st.st_atime, st.st_mtime) < self.cfg.touch_interval:
-            return
-        try:
-            os.utime(path, (now, st.st_mtime))
-        except OSError:
-            pass  # read-only volume or a file deleted meanwhile: a hit is still a hit
-
-    # -------------------------------------------------------------- lookup
 
     def _refused(self, key: object, direction: str) -> bool:
         """Whether key is outside the layout (layout.key_fits), or this process has no
@@ -465,6 +257,8 @@ class BlockStore:
                        MIN_KEY_BYTES, MAX_KEY_BYTES)
         return True
 
+    # ----------------------------------------------------------------- lookup
+
     def _stat_key(self, key: bytes) -> bool:
         path = self.layout.path(key)
         try:
@@ -475,8 +269,8 @@ class BlockStore:
             # Only a regular file is a block (a directory is 4096 bytes on ext4, NFS).
             present = stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_SIZE
             if present:
-                self._touch(path, st)
-        self._remember(key, present)
+                touch(path, st, self.cfg.touch_interval)
+        self._lookups.remember((key,), present)
         self.metrics.lookups.labels("hit" if present else "miss").inc()
         return present
 
@@ -484,37 +278,22 @@ class BlockStore:
         """True/False from the cache, or None while a background lookup runs."""
         if self._refused(key, "lookup"):
             return False
-        cached = self._cached(key)
+        cached = self._lookups.get(key)
         if cached is not None:
             return cached
-        now = time.monotonic()
-        with self._lookup_cv:
-            asked = self._lookup_pending.get(key)
-            if asked is None:
-                if len(self._lookup_pending) >= self.cfg.lookup_queue_limit:
-                    return self._overdue()
-                self._lookup_pending[key] = asked = now
-                self._lookup_queue.append(key)
-                self._lookup_cv.notify()
-        if now - asked > self._pending_seconds:
-            return self._overdue()
-        return None
-
-    @property
-    def _pending_seconds(self) -> float:
-        return min(self.cfg.lookup_pending_seconds, self.cfg.lookup_hit_ttl / 2)
+        return None if self._background.ask(key) else self._overdue()
 
     def _overdue(self) -> bool:
         """A lookup the volume did not answer in time: a miss (vLLM recomputes)."""
         self.metrics.lookups.labels("overdue").inc()
         self._log_once("lookup-overdue", "kvtier lookups are not answered within %.1fs "
                        "(a slow or hung volume?); answering miss meanwhile",
-                       self._pending_seconds)
+                       self._background.pending_seconds)
         return False
 
     def cached(self, key: bytes) -> bool | None:
         """The lookup cache's answer for key, never a stat: None where it has none."""
-        return self._cached(key) if key_fits(key) else None
+        return self._lookups.get(key) if key_fits(key) else None
 
     def lookup_now(self, keys: Sequence[bytes]) -> list[bool]:
         """Synchronous, batched: cached answers, a stat for the rest."""
@@ -523,165 +302,66 @@ class BlockStore:
             if self._refused(key, "lookup"):
                 out.append(False)
                 continue
-            cached = self._cached(key)
+            cached = self._lookups.get(key)
             out.append(cached if cached is not None else self._stat_key(key))
         return out
 
-    def _lookup_loop(self) -> None:
-        while True:
-            with self._lookup_cv:
-                while not self._lookup_queue and not self._closed:
-                    self._lookup_cv.wait()
-                if self._closed:
-                    return
-                # a share of the queue: every lookup thread gets some of a long scan
-                share = -(-len(self._lookup_queue) // len(self._lookup_threads))
-                batch = [self._lookup_queue.popleft() for _ in range(min(share, 64))]
-            try:
-                for key in batch:
-                    self._stat_key(key)
-            finally:
-                with self._lookup_cv:
-                    for key in batch:
-                        self._lookup_pending.pop(key, None)
-
     def forget(self, key: bytes) -> None:
-        if not key_fits(key):
-            return  # never cached
-        with self._lock:
-            self._cache.pop(key, None)
+        if key_fits(key):  # else never cached
+            self._lookups.forget(key)
 
-    # ---------------------------------------------------------------- jobs
+    # ------------------------------------------------------------------- jobs
 
-    def _start_job(self, job_id: int, kind: str, keys: list[bytes]) -> _Job:
-        job = _Job(JobOutcome(job_id, kind, keys, [False] * len(keys)), remaining=len(keys))
-        with self._lock:
-            self._jobs[job_id] = job
-        self.metrics.in_queue[kind].inc(len(keys))
-        if not keys:
-            self._finish(job)
-        return job
+    def _start_job(self, job_id: int, kind: str, keys: list[bytes]) -> Job:
+        return self._jobs.start(job_id, kind, keys)
 
-    def _done(self, job: _Job, index: int, ok: bool, nbytes: int) -> None:
-        self._done_all(job, [(index, ok, nbytes)])
-
-    def _done_all(self, job: _Job, results: Sequence[tuple[int, bool, int]]) -> None:
-        """Record (index, ok, bytes) results of one job; the last one finishes it."""
-        if not results:
-            return  # finished already, or not yet: nothing here may finish it again
-        with self._lock:
-            for index, ok, nbytes in results:
-                job.outcome.ok[index] = ok
-                job.outcome.nbytes += nbytes if ok else 0
-            job.remaining -= len(results)
-            last = job.remaining == 0
-        self.metrics.in_queue[job.outcome.kind].dec(len(results))
-        if last:
-            self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
-        job.outcome.seconds = time.monotonic() - job.started
-        with self._lock:
-            self._jobs.pop(job.outcome.job_id, None)
-            self._finished.append(job.outcome)
-            self._idle.notify_all()
+    def _done(self, job: Job, index: int, ok: bool, nbytes: int) -> None:
+        self._jobs.report(job, [(index, ok, nbytes)])
 
     def finished(self) -> list[JobOutcome]:
-        with self._lock:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
+        return self._jobs.finished()
 
     def pending_jobs(self) -> int:
-        with self._lock:
-            return len(self._jobs)
+        return self._jobs.pending()
 
     def drain(self, timeout: float | None = WAIT_SECONDS) -> bool:
         """Wait until every submitted job has finished (results stay in finished()), at
         most timeout seconds (None: as long as it takes). False where some were still
         unfinished then, logged at most once a minute (a caller may poll): an I/O thread
         stuck on the volume (a hung mount), or simply more work than the timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._jobs:
-                left = _left(deadline)
-                if left is not None and left <= 0:
-                    unfinished = len(self._jobs)
-                    break
-                self._idle.wait(left)
-            else:
-                return True
-            now = time.monotonic()
-            warn = timeout and now - self._unfinished_logged >= 60.0
-            if warn:
-                self._unfinished_logged = now
-        if warn:
-            log.warning("kvtier: %d job(s) still unfinished after waiting %.1fs; an I/O "
-                        "thread may be stuck on the volume", unfinished, timeout)
-        return False
+        return self._jobs.wait(timeout)
 
-    # --------------------------------------------------------------- store
+    # ------------------------------------------------------------------ store
 
     def store(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Queue the writes of one job; never blocks on I/O."""
-        self._store(job_id, [k for k, _ in items], _Buffers([d for _, d in items]))
+        self._store(job_id, [k for k, _ in items], BufferList([d for _, d in items]))
 
     def store_rows(self, job_id: int, keys: Sequence[bytes], rows: np.ndarray,
                    row_ids: Sequence[int] | np.ndarray) -> None:
         """store() from rows of one 2-D uint8 array (vLLM's CPU tier): rows[row_ids[i]]
         as keys[i]. The same outcomes, addresses taken from the row indices."""
-        self._store(job_id, list(keys), _Rows(rows, np.asarray(row_ids, dtype=np.int64)))
+        self._store(job_id, list(keys), RowArray(rows, np.asarray(row_ids, dtype=np.int64)))
 
-    def _store(self, job_id: int, keys: list[bytes], sources: _Dests) -> None:
+    def _store(self, job_id: int, keys: list[bytes], sources: BlockBuffers) -> None:
         job = self._start_job(job_id, "store", keys)
-        nbytes = sources.total()
-        if self._would_overflow(nbytes):
+        if not self._admission.admit(sources.total()):
             self.metrics.dropped.labels("queue-full").inc(len(keys))
             self._log_once("queue-full", "kvtier write queue is over its %.1fs budget; "
                            "dropping stores", self.cfg.write_queue_seconds)
             for i in range(len(keys)):
                 self._done(job, i, False, 0)
             return
-        with self._lock:
-            self._queued_write_bytes += nbytes
         enqueued = time.monotonic()
         block = sources.size(0) if keys else 0
         for batch in self._batches(len(keys), block, reads=False):
             self._pool.submit_write(lambda j=job, b=batch: self._store_task(
                 j, keys, sources, b, enqueued))
 
-    def _would_overflow(self, nbytes: int) -> bool:
-        with self._lock:
-            rate, queued = self._write_bps, self._queued_write_bytes
-        return rate > 0 and (queued + nbytes) / rate > self.cfg.write_queue_seconds
-
     def _free_space_ok(self, size: int) -> bool:
-        """Whether writing size more bytes keeps the volume above its free-space floor.
-        statvfs is re-read at most once a second, or every time near the floor; bytes
-        approved since are reserved against it, and statvfs cannot see bytes approved but
-        not yet written (a batch approves all its blocks first), so a burst cannot
-        overshoot."""
-        if self.cfg.free_space_floor_percent <= 0:
-            return True  # no floor: the write itself finds out (ENOSPC backs off)
-        now = time.monotonic()
-        with self._lock:
-            checked_at, free, floor = self._free_checked
-            stale = now - checked_at >= 1.0 or free - size < 2 * floor
-        if stale:
-            try:
-                st = os.statvfs(self.layout.base)
-            except OSError:
-                return True  # cannot tell: let the write itself find out
-            with self._lock:
-                free = st.f_bavail * st.f_frsize - self._unwritten
-            floor = int(st.f_blocks * st.f_frsize * self.cfg.free_space_floor_percent / 100)
-            checked_at = now
-        with self._lock:
-            ok = free - size >= floor
-            self._free_checked = (checked_at, free - size if ok else free, floor)
-        return ok
+        return self._admission.free_space_ok(size)
 
-    def _store_task(self, job: _Job, keys: list[bytes], sources: _Dests, batch: range,
+    def _store_task(self, job: Job, keys: list[bytes], sources: BlockBuffers, batch: range,
                     enqueued: float) -> None:
         progress = _BatchProgress()
         try:
@@ -694,21 +374,23 @@ class BlockStore:
                 if index not in progress.settled:
                     self._store_settle(job, index, False, sources.size(index), progress)
 
-    def _store_settle(self, job: _Job, index: int, ok: bool, size: int,
+    def _store_settle(self, job: Job, index: int, ok: bool, size: int,
                       progress: _BatchProgress) -> None:
         self._store_settle_all(job, [(index, ok, size)], progress)
 
-    def _store_settle_all(self, job: _Job, results: Sequence[tuple[int, bool, int]],
+    def _store_settle_all(self, job: Job, results: Sequence[Result],
                           progress: _BatchProgress) -> None:
-        progress.settled.update(index for index, _, _ in results)
-        with self._lock:
-            for index, _, size in results:
-                self._queued_write_bytes -= size
-                if index in progress.approved:
-                    self._unwritten -= HEADER_SIZE + size
-        self._done_all(job, results)
+        """Report blocks of a store done, giving back what admission counted for them."""
+        queued = reserved = 0
+        for index, _, size in results:
+            progress.settled.add(index)
+            queued += size
+            if index in progress.approved:
+                reserved += HEADER_SIZE + size
+        self._admission.settle(queued, reserved)
+        self._jobs.report(job, results)
 
-    def _store_batch(self, job: _Job, keys: list[bytes], sources: _Dests, batch: range,
+    def _store_batch(self, job: Job, keys: list[bytes], sources: BlockBuffers, batch: range,
                      enqueued: float, progress: _BatchProgress) -> None:
         """Decide each block (drop, already there, write); write the batchable ones in
         one batch, the rest and whatever the batch could not finish on the Python path."""
@@ -734,8 +416,7 @@ class BlockStore:
             if verdict is not None:
                 self._store_settle(job, index, verdict, size, progress)
                 continue
-            with self._lock:
-                self._unwritten += HEADER_SIZE + size
+            self._admission.reserve(HEADER_SIZE + size)
             progress.approved.add(index)
             if batchable:
                 indices.append(index)
@@ -746,18 +427,12 @@ class BlockStore:
             return
         batch_keys = [keys[index] for index in indices]
         sizes = sources.sizes(indices)
-        headers = self._buffer(len(indices) * HEADER_SIZE, "headers")
-        for key in batch_keys:
-            self._ensure_parent(key)
-        began = time.monotonic()
         each = np.zeros(len(indices))
-        status = batchio.write_blocks(self._base_c, self._prefix, batch_keys,
-                                      secrets.token_hex(8).encode(),
-                                      np.array([at[index] for index in indices], dtype=np.int64),
-                                      sizes, memoryview(headers), self.o_direct, self.cfg.fsync,
-                                      self._piece, seconds=each)
+        addresses = np.array([at[index] for index in indices], dtype=np.int64)
+        began = time.monotonic()
+        status = self._files.write_batch(batch_keys, addresses, sizes, each)
         seconds = time.monotonic() - began
-        settled: list[tuple[int, bool, int]] = []
+        settled: list[Result] = []
         written: list[bytes] = []
         written_sizes: list[int] = []
         times: list[float] = []
@@ -778,48 +453,30 @@ class BlockStore:
         self._stored_all(written, written_sizes, seconds, times)
         if there:
             self.metrics.operations.labels("store", "exists").inc(len(there))
-            self._remember_all(there, True)
+            self._lookups.remember(there, True)
         self._store_settle_all(job, settled, progress)
 
     def _batch_may_write(self, enqueued: float, now: float, total: int) -> bool:
         """Whether every block of a batch passes _store_verdict's time, backoff and floor
         checks, decided once (the floor reserving all of total); False sends the batch
         through those checks block by block, which may approve part of it."""
-        return (now - enqueued <= self.cfg.write_queue_seconds and now >= self._blocked_until
-                and self._free_space_ok(total))
+        return self._admission.late(enqueued, now) is None and self._free_space_ok(total)
 
-    def _approve_batch(self, job: _Job, keys: list[bytes], sources: _Dests, batch: range,
-                       progress: _BatchProgress) -> list[int]:
+    def _approve_batch(self, job: Job, keys: list[bytes], sources: BlockBuffers,
+                       batch: range, progress: _BatchProgress) -> list[int]:
         """_store_verdict's last check (already stored, by the lookup cache) for a whole
-        batch under one lock; settles those, approves and returns the rest."""
-        now = time.monotonic()
-        with self._lock:
-            entries = [self._cache.get(keys[index]) for index in batch]
-        there = [index for index, entry in zip(batch, entries, strict=True)
-                 if self._answer(entry, now)]
+        batch at once; settles those, approves and returns the rest."""
+        answers = self._lookups.get_all([keys[index] for index in batch])
+        there = [index for index, present in zip(batch, answers, strict=True) if present]
         if there:  # another pod or node stored them first: same bytes
             self.metrics.operations.labels("store", "exists").inc(len(there))
             self._store_settle_all(job, [(index, True, sources.size(index)) for index in there],
                                    progress)
         skip = set(there)
         approved = [index for index in batch if index not in skip]
-        with self._lock:
-            self._unwritten += sum(HEADER_SIZE + sources.size(index) for index in approved)
+        self._admission.reserve(sum(HEADER_SIZE + sources.size(index) for index in approved))
         progress.approved.update(approved)
         return approved
-
-    def _ensure_parent(self, key: bytes) -> None:
-        """Create a block's fan-out directory once per process, so first writes take the
-        batch path too (one the evictor removed since makes that block fall back to the
-        Python path, which recreates it). The directory is named by the key's first two
-        bytes: those stand for it, no path needed when it is there."""
-        if key[:2] not in self._made_dirs:
-            try:
-                self.layout.ensure_dir(os.path.dirname(self.layout.path(key)))
-            except OSError:
-                return  # the write finds out and says why
-            with self._lock:  # at most 65,536: the layout's fan-out bounds it
-                self._made_dirs.add(key[:2])
 
     def _store_verdict(self, key: bytes, size: int, enqueued: float, now: float,
                        look: bool = True) -> bool | None:
@@ -827,25 +484,23 @@ class BlockStore:
         ask the volume whether the file is there (the batch path asks it itself)."""
         if self._refused(key, "store"):
             return False
-        if now - enqueued > self.cfg.write_queue_seconds:
-            self.metrics.dropped.labels("stale").inc()
-            return False
-        if now < self._blocked_until:
-            self.metrics.dropped.labels("backoff").inc()
+        late = self._admission.late(enqueued, now)
+        if late is not None:
+            self.metrics.dropped.labels(late).inc()
             return False
         if not self._free_space_ok(HEADER_SIZE + size):
             self.metrics.dropped.labels("free-space-floor").inc()
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._cached(key) or (look and self._regular_file_at(self.layout.path(key))):
+        if self._lookups.get(key) or (look and regular_file_at(self.layout.path(key))):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
 
     def _store_python(self, key: bytes, data: memoryview, path: str) -> bool:
         start = time.monotonic()
-        if start < self._blocked_until:  # an earlier block of this batch backed off
+        if start < self._admission.blocked_until:  # an earlier block backed off
             self.metrics.dropped.labels("backoff").inc()
             return False
         try:
@@ -854,13 +509,14 @@ class BlockStore:
             name = errno.errorcode.get(err.errno or 0, type(err).__name__)
             self.metrics.failed.labels(name).inc()
             self._log_once(f"store-{name}", "kvtier cannot write %s: %s", path, err)
-            if err.errno in BACKOFF_ERRNOS:
-                self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
-                self._blocked_until = time.monotonic() + self._backoff
+            self._admission.failed(err)
             return False
         took = time.monotonic() - start
         self._stored_all([key], [len(data)], took, [took])
         return True
+
+    def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
+        self._files.write(key, data, path)
 
     def _stored_all(self, keys: list[bytes], sizes: list[int], seconds: float,
                     each: Sequence[float]) -> None:
@@ -868,110 +524,33 @@ class BlockStore:
         each block took."""
         if not keys:
             return
-        self._backoff = 0.0
-        rate = sum(sizes) / max(seconds, 1e-6)
-        keep = 0.8 ** len(keys)  # as if each block had moved the average 20% of the way
-        with self._lock:
-            self._write_bps = rate if self._write_bps == 0 else (
-                keep * self._write_bps + (1 - keep) * rate)
-        self._remember_all(keys, True)
+        nbytes = sum(sizes)
+        self._admission.written(nbytes, seconds, len(keys))
+        self._lookups.remember(keys, True)
         self.metrics.store_ok.inc(len(keys))
-        self.metrics.store_bytes.inc(sum(sizes))
+        self.metrics.store_bytes.inc(nbytes)
         observe_all(self.metrics.store_latency, each)
 
-    def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
-        header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
-        tmp = self.layout.temp_path(key)
-        directory = os.path.dirname(path)
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
-        direct = self.o_direct
-        for attempt in range(2):
-            try:
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664)
-                break
-            except FileNotFoundError:
-                if attempt:
-                    raise
-                self.layout.ensure_dir(directory)  # first write here, or reaped as empty
-        try:
-            try:
-                if direct:
-                    self._write_direct(fd, header, data)
-                else:
-                    self._write_all(fd, [header, data])
-                if self.cfg.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)  # close errors (NFS reports ENOSPC here) must propagate
-            # Atomic publish. A concurrent writer of the same key wrote the same bytes
-            # (the key is a hash of the tokens under one fingerprint): whichever rename
-            # lands last wins, readers keep whatever inode they opened, nothing mixes.
-            os.replace(tmp, path)
-            return
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-
-    @staticmethod
-    def _write_all(fd: int, parts: list[bytes | memoryview | mmap.mmap]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        total = sum(len(v) for v in views)
-        written = 0
-        while written < total:
-            n = os.writev(fd, views)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            written += n
-            _advance(views, n)
-
-    @staticmethod
-    def _read_all(fd: int, parts: list[memoryview]) -> int:
-        """preadv until the buffers are full or the file ends; returns bytes read."""
-        views = [p.cast("B") for p in parts]
-        offset = 0
-        while views:
-            n = os.preadv(fd, views, offset)
-            if n <= 0:
-                break  # end of file
-            offset += n
-            _advance(views, n)
-        return offset
-
-    def _write_direct(self, fd: int, header: bytes, data: memoryview) -> None:
-        if _aligned(data):
-            head = self._buffer(HEADER_SIZE)
-            head[:HEADER_SIZE] = header
-            self._write_all(fd, [memoryview(head)[:HEADER_SIZE], data])
-            return
-        total = padded(HEADER_SIZE + len(data))
-        buf = self._buffer(total)
-        buf[:HEADER_SIZE] = header
-        buf[HEADER_SIZE:HEADER_SIZE + len(data)] = data
-        buf[HEADER_SIZE + len(data):total] = bytes(total - HEADER_SIZE - len(data))
-        self._write_all(fd, [memoryview(buf)[:total]])
-
-    # ---------------------------------------------------------------- load
+    # ------------------------------------------------------------------- load
 
     def load(self, job_id: int, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Queue the reads of one job into the given (writable) buffers."""
-        self._load(job_id, [k for k, _ in items], _Buffers([d for _, d in items]))
+        self._load(job_id, [k for k, _ in items], BufferList([d for _, d in items]))
 
     def load_rows(self, job_id: int, keys: Sequence[bytes], rows: np.ndarray,
                   row_ids: Sequence[int] | np.ndarray) -> None:
         """load() into rows of one 2-D uint8 array (vLLM's CPU tier): keys[i] into
         rows[row_ids[i]]. The same outcomes; the batch path takes each row's address from
         its index instead of a buffer object per row (less interpreter time per row)."""
-        self._load(job_id, list(keys), _Rows(rows, np.asarray(row_ids, dtype=np.int64)))
+        self._load(job_id, list(keys), RowArray(rows, np.asarray(row_ids, dtype=np.int64)))
 
-    def _load(self, job_id: int, keys: list[bytes], dests: _Dests) -> None:
+    def _load(self, job_id: int, keys: list[bytes], dests: BlockBuffers) -> None:
         job = self._start_job(job_id, "load", keys)
         for batch in self._batches(len(keys), dests.size(0) if keys else 0, reads=True):
             self._pool.submit_read(lambda j=job, b=batch: self._load_task(j, keys, dests, b))
 
-    def _load_task(self, job: _Job, keys: list[bytes], dests: _Dests, batch: range) -> None:
+    def _load_task(self, job: Job, keys: list[bytes], dests: BlockBuffers,
+                   batch: range) -> None:
         settled: set[int] = set()
         try:
             if self.batch_io:
@@ -995,18 +574,15 @@ class BlockStore:
                 if index not in settled:
                     self._done(job, index, False, dests.size(index))
 
-    def _load_batch(self, job: _Job, keys: list[bytes], dests: _Dests, indices: list[int],
-                    addresses: np.ndarray, settled: set[int]) -> None:
+    def _load_batch(self, job: Job, keys: list[bytes], dests: BlockBuffers,
+                    indices: list[int], addresses: np.ndarray, settled: set[int]) -> None:
         """Read, hash and check a batch in one call, against the headers its blocks must
         have. A block it could not serve (missing, short, damaged, foreign) is left to the
         Python path (not settled), which reads it again and says why."""
-        headers = self._buffer(len(indices) * HEADER_SIZE, "headers")
         batch_keys = [keys[i] for i in indices]
         sizes = dests.sizes(indices)
         each = np.zeros(len(indices))
-        status, last_used = batchio.read_blocks(self._base_c, self._prefix, batch_keys,
-                                                addresses, sizes, memoryview(headers),
-                                                self.o_direct, self._piece, seconds=each)
+        status, last_used = self._files.read_batch(batch_keys, addresses, sizes, each)
         if status.any():  # (DONE is 0) not all served; the usual case takes no indexing
             served = np.flatnonzero(status == batchio.DONE).tolist()
             if not served:
@@ -1019,17 +595,17 @@ class BlockStore:
         for n in np.flatnonzero(last_used <= stale).tolist():
             path = self.layout.path(batch_keys[n])
             try:
-                self._touch(path, os.stat(path))
+                touch(path, os.stat(path), self.cfg.touch_interval)
             except OSError:
                 pass  # evicted since it was read: the bytes were verified, a hit
         served_sizes = sizes.tolist()
-        self._remember_all(batch_keys, True)
+        self._lookups.remember(batch_keys, True)
         self.metrics.load_ok.inc(len(indices))
         self.metrics.load_bytes.inc(sum(served_sizes))
         observe_all(self.metrics.load_latency, each)
         settled.update(indices)
-        self._done_all(job, [(index, True, size) for index, size in zip(indices, served_sizes,
-                                                                        strict=True)])
+        self._jobs.report(job, [(index, True, size)
+                                for index, size in zip(indices, served_sizes, strict=True)])
 
     def _load_one(self, key: bytes, dest: memoryview) -> bool:
         """Load one block into dest on the Python path."""
@@ -1040,16 +616,16 @@ class BlockStore:
         try:
             self._read_verified(key, dest, path)
         except FileNotFoundError:
-            self._remember(key, False)
+            self._lookups.remember((key,), False)
             self.metrics.operations.labels("load", "missing").inc()
             return False
         except BadBlock as bad:
             self.metrics.corrupt.labels(bad.reason).inc()
-            removed = self._remove_bad(path, bad)
+            removed = remove_bad(path, bad)
             self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); %s, "
                            "vLLM recomputes", path, bad,
                            "removed it" if removed else "could not remove it")
-            self._remember(key, False)
+            self._lookups.remember((key,), False)
             return False
         except OSError as err:
             name = errno.errorcode.get(err.errno or 0, type(err).__name__)
@@ -1061,74 +637,20 @@ class BlockStore:
         self.metrics.load_latency.observe(time.monotonic() - start)
         return True
 
+    def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:
+        """Read key's block file into dest and check it; raises what fileio raises, or
+        BadBlock for a header or payload that is not key's."""
+        header, st = self._files.read(dest, path)
+        self._check(key, len(dest), header, digest(dest))
+        self._lookups.remember((key,), True)
+        touch(path, st, self.cfg.touch_interval)
+
     def _check(self, key: bytes, size: int, header: memoryview, payload_digest: int) -> None:
         expected = decode_header(header, self.layout.fingerprint, key, size)
         if payload_digest != expected:
             raise BadBlock("bad-checksum", "payload checksum mismatch")
 
-    @staticmethod
-    def _regular_file_at(path: str) -> bool:
-        try:
-            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
-        except OSError:
-            return False
-
-    @staticmethod
-    def _remove_bad(path: str, bad: BadBlock) -> bool:
-        """Remove a refused block file; True where it is gone. A FIFO, socket, device or
-        symlink goes by unlink (only the name: no target is touched); a directory only
-        where empty (rmdir): one with entries stays, a miss on every lookup."""
-        try:
-            if isinstance(bad, NotAFile) and bad.kind == "directory":
-                os.rmdir(path)
-            else:
-                os.unlink(path)
-        except OSError:
-            return False
-        return True
-
-    def _read_verified(self, key: bytes, dest: memoryview, path: str) -> None:
-        size = len(dest)
-        direct = self.o_direct
-        try:
-            # Never waits (a FIFO opens at once), never follows a symlink (ELOOP).
-            fd = os.open(path, batchio.READ_FLAGS | (os.O_DIRECT if direct else 0))
-        except FileNotFoundError:
-            raise
-        except OSError as err:  # ELOOP for a symlink, EINVAL/ENXIO for some special files
-            try:
-                kind = _odd_kind(os.stat(path, follow_symlinks=False).st_mode)
-            except OSError:
-                kind = None
-            if kind is None:
-                raise
-            raise NotAFile(kind) from err
-        try:
-            st = os.fstat(fd)
-            kind = _odd_kind(st.st_mode)
-            if kind is not None:  # checked before a byte is read
-                raise NotAFile(kind)
-            if st.st_size < HEADER_SIZE + size:
-                raise BadBlock("truncated", f"{st.st_size} bytes, need {HEADER_SIZE + size}")
-            if direct and not _aligned(dest):
-                total = padded(HEADER_SIZE + size)
-                buf = self._buffer(total)
-                got = self._read_all(fd, [memoryview(buf)[:total]])
-                header = memoryview(buf)[:HEADER_SIZE]
-                dest[:] = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + size]
-            else:
-                head = self._buffer(HEADER_SIZE) if direct else bytearray(HEADER_SIZE)
-                header = memoryview(head)[:HEADER_SIZE]
-                got = self._read_all(fd, [header, dest])
-            if got < HEADER_SIZE + size:
-                raise BadBlock("truncated", f"read {got} bytes")
-            self._check(key, size, header, digest(dest))
-        finally:
-            os.close(fd)
-        self._remember(key, True)
-        self._touch(path, st)
-
-    # ------------------------------------------------------------ lifetime
+    # --------------------------------------------------------------- lifetime
 
     def close(self, timeout: float | None = WAIT_SECONDS) -> bool:
         """Finish queued work, then stop every thread, within timeout seconds in all
@@ -1142,12 +664,9 @@ class BlockStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         drained = self.drain(timeout)
         self._closed = True
-        with self._lookup_cv:
-            self._lookup_cv.notify_all()
-        stopped = self._pool.close(_left(deadline))
-        for thread in self._lookup_threads:
-            thread.join(_left(deadline))
-        if drained and stopped and not any(t.is_alive() for t in self._lookup_threads):
+        self._background.stop()
+        stopped = self._pool.close(time_left(deadline))
+        if self._background.join(deadline) and drained and stopped:
             return True
         log.warning("kvtier: closed with threads still stuck after %.1fs; left them behind",
                     timeout)
