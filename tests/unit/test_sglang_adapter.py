@@ -67,7 +67,7 @@ def test_example_deployment_gets_the_flags_offline():
     assert conflicts == []
     c = out["spec"]["template"]["spec"]["containers"][0]
     assert "--hicache-size=214" in c["args"] and "--page-size=64" in c["args"]
-    assert c["resources"]["requests"]["memory"] == "601Gi"  # 200Gi + 400Gi + 1Gi headroom
+    assert c["resources"]["requests"]["memory"] == "611Gi"  # 200Gi + 400Gi + 10Gi SGLang reserve + 1Gi
     assert out["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "20Gi"
 
 
@@ -80,3 +80,20 @@ def test_sizing_doc_worked_example_is_what_the_code_computes():
     assert size == sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2)
     from kvtier_operator.engines.registry import adapter_for
     assert blocks == adapter_for(spec).router_cpu_blocks(spec)
+
+
+def test_memory_covers_sglangs_host_reserve():
+    """SGLang 0.5.23 checks an explicit --hicache-size against the container's cgroup
+    headroom minus a 10 GiB reserve (mem_cache/pool_host/base.py
+    host_memory_budget_bytes): the limit kvtier raises must cover the pools plus that
+    reserve, or a pod whose own limit was tight refuses to start ("Not enough host memory
+    available")."""
+    spec = tpc({"cpu": {"size": "100Gi"}}).spec
+    pod = {"name": "sglang", "command": ["sglang", "serve", "m"],
+           "resources": {"limits": {"nvidia.com/gpu": "2", "memory": "16Gi"}}}
+    from kvtier_operator.engines.base import PodRole
+    from kvtier_operator.engines.registry import adapter_for
+    increase = adapter_for(spec).pod_sizing(spec, None, pod, PodRole.server)
+    pools = 2 * sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2) * sglang_hicache.GB
+    assert increase.memory_increase_bytes >= pools + sglang_hicache.HOST_MEMORY_RESERVE_BYTES
+    assert sglang_hicache.HOST_MEMORY_RESERVE_BYTES == 10 * 2**30

@@ -115,3 +115,24 @@ def test_hicache_file_writes_where_the_env_points(monkeypatch, tmp_path):
     files = sorted(p.name for p in (tmp_path / "sglang").iterdir())
     assert files == [f"{key}_Qwen-Qwen3-0.6B_0_1.bin"]
     assert SGLANG.classify(files[0]) is Kind.BLOCK
+
+
+def test_host_memory_reserve_is_sglangs():
+    """The reserve kvtier adds to the memory is the one SGLang keeps free below the
+    container's limit when it checks --hicache-size."""
+    import ast
+    import pathlib
+
+    import sglang
+
+    # Read from the source: importing the module pulls in SGLang's model zoo.
+    source = pathlib.Path(sglang.__file__).parent / "srt/mem_cache/pool_host/base.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(getattr(t, "id", "") == "HICACHE_HOST_MEMORY_RESERVE_BYTES"
+                   for t in targets):
+                value = eval(compile(ast.Expression(node.value), str(source), "eval"))
+                assert sglang_hicache.HOST_MEMORY_RESERVE_BYTES == value
+                return
+    raise AssertionError(f"HICACHE_HOST_MEMORY_RESERVE_BYTES not in {source}")

@@ -26,6 +26,11 @@ from kvtier_operator.render.sglang_flags import (
 
 DEFAULT_PAGE_SIZE = 64  # llm-d's SGLang guides and the router scorer's default block size
 GB = 10**9  # --hicache-size is in decimal gigabytes (host_size * 1e9 in sglang)
+# SGLang checks each rank's pool against the container's cgroup headroom (limit minus
+# usage) less this reserve, even with an explicit --hicache-size
+# (mem_cache/pool_host/base.py HICACHE_HOST_MEMORY_RESERVE_BYTES): the memory kvtier
+# adds must cover it, or a pod whose own limit was tight refuses to start.
+HOST_MEMORY_RESERVE_BYTES = 10 * 2**30
 STORAGE_DIR = "sglang"  # below the volume mount; the evictor's `sglang` layout
 ENV_STORAGE_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 # Env that would turn on SGLang's own size-capped evictor (sglang/srt/environ.py).
