@@ -97,3 +97,36 @@ def test_memory_covers_sglangs_host_reserve():
     pools = 2 * sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2) * sglang_hicache.GB
     assert increase.memory_increase_bytes >= pools + sglang_hicache.HOST_MEMORY_RESERVE_BYTES
     assert sglang_hicache.HOST_MEMORY_RESERVE_BYTES == 10 * 2**30
+
+
+def test_own_evictor_env_from_envfrom_is_overridden():
+    """SGLang's own file evictor turns on with SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE or
+    _MIN_FREE_SPACE, which a pod can take from a ConfigMap (envFrom) the webhook cannot
+    read. kvtier sets both to "0" (SGLang: "0" disables) in env, which wins over envFrom."""
+    t = tpc({})
+    pod = {"metadata": {}, "spec": {"containers": [{
+        "name": "sglang", "command": ["sglang", "serve", "m"],
+        "envFrom": [{"configMapRef": {"name": "sglang-tuning"}}]}]}}
+    from kvtier_operator.render.pod import inject
+    result = inject(t, pod, RenderContext())
+    assert result.conflicts == []
+    env = {e["name"]: e.get("value") for e in result.pod["spec"]["containers"][0]["env"]}
+    for name in sglang_hicache.ENV_OWN_EVICTOR:
+        assert env[name] == "0"
+    # Without a file tier there is no file evictor to hold off.
+    doc = tpc_doc(SGLANG)
+    del doc["spec"]["storage"]
+    result = inject(parse_tpc(doc), pod, RenderContext())
+    env = {e["name"] for e in result.pod["spec"]["containers"][0]["env"]}
+    assert not env & set(sglang_hicache.ENV_OWN_EVICTOR)
+
+
+def test_own_evictor_env_set_to_zero_by_the_user_is_accepted():
+    pod = {"metadata": {}, "spec": {"containers": [{
+        "name": "sglang", "command": ["sglang", "serve", "m"],
+        "env": [{"name": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "value": "0"}]}]}}
+    from kvtier_operator.render.pod import inject
+    assert inject(tpc({}), pod, RenderContext()).conflicts == []
+    pod["spec"]["containers"][0]["env"][0]["value"] = "200G"
+    conflicts = inject(tpc({}), pod, RenderContext()).conflicts
+    assert any("turns on SGLang's own file evictor" in c for c in conflicts)

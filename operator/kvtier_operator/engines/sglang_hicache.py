@@ -58,7 +58,8 @@ class SglangLauncher(Launcher):
         problems: list[str] = []
         if file_tier:
             for entry in container.get("env") or []:
-                if entry.get("name") in sglang_hicache.ENV_OWN_EVICTOR:
+                if entry.get("name") in sglang_hicache.ENV_OWN_EVICTOR and entry.get(
+                        "value") != sglang_hicache.OWN_EVICTOR_OFF:
                     problems.append(
                         f"container {name!r} sets {entry['name']}, which turns on SGLang's "
                         "own file evictor: on a shared volume it deletes other pods' pages "

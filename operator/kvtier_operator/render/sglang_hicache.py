@@ -98,8 +98,15 @@ def forbidden(file_tier: bool) -> Sequence[Forbidden]:
     return (CONFIG_FILE, EXTRA_CONFIG) if file_tier else (CONFIG_FILE,)
 
 
+# "0" turns each off (sglang/srt/environ.py); set explicitly, it also wins over the same
+# names from a ConfigMap or Secret (envFrom), which the webhook cannot read.
+OWN_EVICTOR_OFF = "0"
+
+
 def env(mount_path: str | None) -> dict[str, str]:
-    """Env SGLang needs: the file tier's directory when there is one."""
+    """Env SGLang needs: the file tier's directory, and its own evictor held off, when
+    there is one."""
     if mount_path is None:
         return {}
-    return {ENV_STORAGE_DIR: f"{mount_path.rstrip('/')}/{STORAGE_DIR}"}
+    return {ENV_STORAGE_DIR: f"{mount_path.rstrip('/')}/{STORAGE_DIR}"} | {
+        name: OWN_EVICTOR_OFF for name in ENV_OWN_EVICTOR}
