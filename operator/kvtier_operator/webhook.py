@@ -231,8 +231,12 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
         if deadlines is not None:
             deadlines.request_read()
         outcome = await lanes.admit(path, body, caches, ctx)
+        # The log keeps one reason per pod: a pod left alone for several has them all.
+        reasons: dict[tuple[str, str, str], list[str]] = {}
         for c in outcome.conflicts:
-            conflicts.record(c.namespace, c.cache, c.pod, c.reason)
+            reasons.setdefault((c.namespace, c.cache, c.pod), []).append(c.reason)
+        for (namespace, cache, pod), why in reasons.items():
+            conflicts.record(namespace, cache, pod, "; ".join(why))
         if outcome.problem:
             log.error("admission to %s failed (answered without a change or denied):\n%s",
                       path, outcome.problem)

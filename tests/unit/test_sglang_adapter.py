@@ -67,7 +67,7 @@ def test_example_deployment_gets_the_flags_offline():
     assert conflicts == []
     c = out["spec"]["template"]["spec"]["containers"][0]
     assert "--hicache-size=214" in c["args"] and "--page-size=64" in c["args"]
-    assert c["resources"]["requests"]["memory"] == "601Gi"  # 200Gi + 400Gi + 1Gi headroom
+    assert c["resources"]["requests"]["memory"] == "611Gi"  # 200Gi + 400Gi + 10Gi SGLang reserve + 1Gi
     assert out["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "20Gi"
 
 
@@ -80,3 +80,53 @@ def test_sizing_doc_worked_example_is_what_the_code_computes():
     assert size == sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2)
     from kvtier_operator.engines.registry import adapter_for
     assert blocks == adapter_for(spec).router_cpu_blocks(spec)
+
+
+def test_memory_covers_sglangs_host_reserve():
+    """SGLang 0.5.23 checks an explicit --hicache-size against the container's cgroup
+    headroom minus a 10 GiB reserve (mem_cache/pool_host/base.py
+    host_memory_budget_bytes): the limit kvtier raises must cover the pools plus that
+    reserve, or a pod whose own limit was tight refuses to start ("Not enough host memory
+    available")."""
+    spec = tpc({"cpu": {"size": "100Gi"}}).spec
+    pod = {"name": "sglang", "command": ["sglang", "serve", "m"],
+           "resources": {"limits": {"nvidia.com/gpu": "2", "memory": "16Gi"}}}
+    from kvtier_operator.engines.base import PodRole
+    from kvtier_operator.engines.registry import adapter_for
+    increase = adapter_for(spec).pod_sizing(spec, None, pod, PodRole.server)
+    pools = 2 * sglang_hicache.hicache_size_gb(spec.cpu_bytes, 2) * sglang_hicache.GB
+    assert increase.memory_increase_bytes >= pools + sglang_hicache.HOST_MEMORY_RESERVE_BYTES
+    assert sglang_hicache.HOST_MEMORY_RESERVE_BYTES == 10 * 2**30
+
+
+def test_own_evictor_env_from_envfrom_is_overridden():
+    """SGLang's own file evictor turns on with SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE or
+    _MIN_FREE_SPACE, which a pod can take from a ConfigMap (envFrom) the webhook cannot
+    read. kvtier sets both to "0" (SGLang: "0" disables) in env, which wins over envFrom."""
+    t = tpc({})
+    pod = {"metadata": {}, "spec": {"containers": [{
+        "name": "sglang", "command": ["sglang", "serve", "m"],
+        "envFrom": [{"configMapRef": {"name": "sglang-tuning"}}]}]}}
+    from kvtier_operator.render.pod import inject
+    result = inject(t, pod, RenderContext())
+    assert result.conflicts == []
+    env = {e["name"]: e.get("value") for e in result.pod["spec"]["containers"][0]["env"]}
+    for name in sglang_hicache.ENV_OWN_EVICTOR:
+        assert env[name] == "0"
+    # Without a file tier there is no file evictor to hold off.
+    doc = tpc_doc(SGLANG)
+    del doc["spec"]["storage"]
+    result = inject(parse_tpc(doc), pod, RenderContext())
+    env = {e["name"] for e in result.pod["spec"]["containers"][0]["env"]}
+    assert not env & set(sglang_hicache.ENV_OWN_EVICTOR)
+
+
+def test_own_evictor_env_set_to_zero_by_the_user_is_accepted():
+    pod = {"metadata": {}, "spec": {"containers": [{
+        "name": "sglang", "command": ["sglang", "serve", "m"],
+        "env": [{"name": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "value": "0"}]}]}}
+    from kvtier_operator.render.pod import inject
+    assert inject(tpc({}), pod, RenderContext()).conflicts == []
+    pod["spec"]["containers"][0]["env"][0]["value"] = "200G"
+    conflicts = inject(tpc({}), pod, RenderContext()).conflicts
+    assert any("turns on SGLang's own file evictor" in c for c in conflicts)

@@ -263,3 +263,26 @@ def test_script_scanner_still_reads_vllm_by_default():
     assert found.args == ("m", "--port", "1")
     assert shell.find_entry_point("exec sglang serve m").problem == (
         "the script does not start vLLM itself")
+
+
+@pytest.mark.parametrize("container", [
+    # exec form: the kubelet expands $(EXTRA) into one argv word, the flag itself
+    {"command": ["python3", "-m", "sglang.launch_server"], "args": ["--model-path=m", "$(EXTRA)"]},
+    # sh -c: the shell splits an unquoted $EXTRA into words
+    {"command": ["sh", "-c", "exec sglang serve m $EXTRA"]},
+])
+def test_a_managed_flag_hidden_in_an_env_value_is_a_problem(container):
+    """A managed or refused flag in an env var's value may reach SGLang's command line
+    through an expansion kvtier cannot read: refused, naming the env var."""
+    container = {"name": "s", **container, "env": [{
+        "name": "EXTRA", "value": '--hicache-storage-backend-extra-config={"max_size":"1G"}'}]}
+    flags = [Flag("--page-size", "64", "spec.sglang.pageSize")]
+    forbidden = [Forbidden("--hicache-storage-backend-extra-config", "no")]
+    before = copy.deepcopy(container)
+    problems = add_flags(container, flags, forbidden)
+    assert any("EXTRA" in p and "--hicache-storage-backend-extra-config" in p
+               for p in problems), problems
+    assert container == before
+    # An env var that mentions no managed flag is fine.
+    container["env"][0]["value"] = "--trust-remote-code"
+    assert add_flags(container, flags, forbidden) == []

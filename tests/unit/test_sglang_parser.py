@@ -96,6 +96,9 @@ def test_env_names_are_sglangs(monkeypatch, tmp_path):
 
 
 def test_hicache_file_writes_where_the_env_points(monkeypatch, tmp_path):
+    # As if a ConfigMap (envFrom) turned SGLang's own evictor on: kvtier's env wins.
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "1G")
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "1G")
     """SGLang's own file backend, constructed as a server rank would, writes its pages
     in the directory kvtier's env names, in names the evictor's sglang layout deletes."""
     torch = pytest.importorskip("torch")
@@ -110,8 +113,30 @@ def test_hicache_file_writes_where_the_env_points(monkeypatch, tmp_path):
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="Qwen/Qwen3-0.6B")
     store = HiCacheFile(config)
+    assert not store._evictor.enabled  # kvtier's env keeps SGLang's own evictor off
     key = "ab" * 32
     assert store.set(key, torch.ones(8, dtype=torch.bfloat16))
     files = sorted(p.name for p in (tmp_path / "sglang").iterdir())
     assert files == [f"{key}_Qwen-Qwen3-0.6B_0_1.bin"]
     assert SGLANG.classify(files[0]) is Kind.BLOCK
+
+
+def test_host_memory_reserve_is_sglangs():
+    """The reserve kvtier adds to the memory is the one SGLang keeps free below the
+    container's limit when it checks --hicache-size."""
+    import ast
+    import pathlib
+
+    import sglang
+
+    # Read from the source: importing the module pulls in SGLang's model zoo.
+    source = pathlib.Path(sglang.__file__).parent / "srt/mem_cache/pool_host/base.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(getattr(t, "id", "") == "HICACHE_HOST_MEMORY_RESERVE_BYTES"
+                   for t in targets):
+                value = eval(compile(ast.Expression(node.value), str(source), "eval"))
+                assert sglang_hicache.HOST_MEMORY_RESERVE_BYTES == value
+                return
+    raise AssertionError(f"HICACHE_HOST_MEMORY_RESERVE_BYTES not in {source}")

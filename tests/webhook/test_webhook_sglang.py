@@ -94,6 +94,19 @@ async def test_sglang_pod_with_its_own_evictor_is_a_conflict_left_alone(webhook)
     assert "passes --page-size=32; kvtier needs --page-size=64" in conflict
 
 
+async def test_every_conflict_of_a_pod_reaches_the_status(webhook):  # noqa: F811
+    """A pod left alone for two reasons (a flag and an env var) has both recorded for the
+    cache's status, not only the last one."""
+    webhook.caches.observe("ADDED", copy.deepcopy(CACHE))
+    p = pod(["sglang", "serve", "m", "--page-size=32"],
+            env=[{"name": "PYTHONHASHSEED", "value": "7"}])
+    status, answer = await webhook.post(MUTATE_PATH, review(p))
+    assert status == 200 and "patch" not in answer["response"]
+    assert len(answer["response"]["warnings"]) == 2
+    (conflict,) = webhook.conflicts.for_cache("llm-d", "qwen3-sglang", ["sglang-1"]).values()
+    assert "--page-size=32" in conflict and "PYTHONHASHSEED=7" in conflict
+
+
 async def test_vllm_pods_are_not_sglang_pods(webhook):  # noqa: F811
     webhook.caches.observe("ADDED", copy.deepcopy(CACHE))
     p = pod(["vllm", "serve", "m"])

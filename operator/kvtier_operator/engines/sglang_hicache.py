@@ -58,7 +58,8 @@ class SglangLauncher(Launcher):
         problems: list[str] = []
         if file_tier:
             for entry in container.get("env") or []:
-                if entry.get("name") in sglang_hicache.ENV_OWN_EVICTOR:
+                if entry.get("name") in sglang_hicache.ENV_OWN_EVICTOR and entry.get(
+                        "value") != sglang_hicache.OWN_EVICTOR_OFF:
                     problems.append(
                         f"container {name!r} sets {entry['name']}, which turns on SGLang's "
                         "own file evictor: on a shared volume it deletes other pods' pages "
@@ -129,8 +130,10 @@ class SglangHicache(Adapter):
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
-        # The host pools are pinned process memory; /dev/shm is the user's (NCCL).
-        return sizing.pinned_process_sizing(spec.cpu_bytes, existing_shm_bytes)
+        # The host pools are pinned process memory; /dev/shm is the user's (NCCL). SGLang
+        # wants its host reserve free below the limit on top of the pools.
+        return sizing.pinned_process_sizing(
+            spec.cpu_bytes + sglang_hicache.HOST_MEMORY_RESERVE_BYTES, existing_shm_bytes)
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         return EVICTOR_LAYOUT if spec.storage is not None else None

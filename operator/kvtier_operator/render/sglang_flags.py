@@ -80,7 +80,11 @@ def _same(a: str | None, b: str | None) -> bool:
 
 
 def _read(args: Sequence[str], text: str, flags: Sequence[Flag],
-          forbidden: Sequence[Forbidden], defined: Collection[str], name: str) -> _Reading:
+          forbidden: Sequence[Forbidden], defined: Collection[str], name: str,
+          env: Sequence[dict[str, Any]] = ()) -> _Reading:
+    """The managed flags in args; `env`: the container's env entries, whose values an
+    expansion on the command line ($(NAME) for the kubelet, $NAME for a shell) may turn
+    into flags kvtier cannot see, so a managed flag in one is a problem."""
     by_name: dict[str, Flag | Forbidden] = {}
     for flag in flags:
         for spelling in (flag.name, *flag.aliases):
@@ -141,6 +145,15 @@ def _read(args: Sequence[str], text: str, flags: Sequence[Flag],
                 f"expansion or quotes): write it as plain {target.name}=VALUE")
             continue
         reading.values[target.name] = value
+    for var in env:
+        value = var.get("value")
+        hidden = sorted({"--" + m.group(1) for m in _FLAG_TOKEN.finditer(str(value or ""))
+                         if resolve("--" + m.group(1)) is not None})
+        if hidden:
+            reading.problems.append(
+                f"container {name!r} has env {var.get('name')} mentioning "
+                f"{', '.join(hidden)}, which kvtier manages: an expansion of it would reach "
+                "SGLang where kvtier cannot read it; pass each as a plain --flag=value word")
     if mentioned > read:
         reading.problems.append(
             f"container {name!r} mentions a flag kvtier manages ("
@@ -204,9 +217,10 @@ def existing_flags(container: dict[str, Any], flags: Sequence[Flag],
     found = command_line(container)
     if found.problem:
         return {}, [found.problem]
-    defined = {e.get("name") for e in container.get("env") or []}
+    env = container.get("env") or []
+    defined = {e.get("name") for e in env}
     reading = _read(found.args, found.text, flags, forbidden, defined,
-                    str(container.get("name")))
+                    str(container.get("name")), env)
     return reading.values, reading.problems
 
 
@@ -219,8 +233,9 @@ def add_flags(container: dict[str, Any], flags: Sequence[Flag],
     found = command_line(container)
     if found.problem:
         return [found.problem]
-    defined = {e.get("name") for e in container.get("env") or []}
-    reading = _read(found.args, found.text, flags, forbidden, defined, str(name))
+    env = container.get("env") or []
+    defined = {e.get("name") for e in env}
+    reading = _read(found.args, found.text, flags, forbidden, defined, str(name), env)
     problems = list(reading.problems)
     missing: list[str] = []
     for flag in flags:

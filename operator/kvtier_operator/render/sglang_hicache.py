@@ -26,6 +26,11 @@ from kvtier_operator.render.sglang_flags import (
 
 DEFAULT_PAGE_SIZE = 64  # llm-d's SGLang guides and the router scorer's default block size
 GB = 10**9  # --hicache-size is in decimal gigabytes (host_size * 1e9 in sglang)
+# SGLang checks each rank's pool against the container's cgroup headroom (limit minus
+# usage) less this reserve, even with an explicit --hicache-size
+# (mem_cache/pool_host/base.py HICACHE_HOST_MEMORY_RESERVE_BYTES): the memory kvtier
+# adds must cover it, or a pod whose own limit was tight refuses to start.
+HOST_MEMORY_RESERVE_BYTES = 10 * 2**30
 STORAGE_DIR = "sglang"  # below the volume mount; the evictor's `sglang` layout
 ENV_STORAGE_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 # Env that would turn on SGLang's own size-capped evictor (sglang/srt/environ.py).
@@ -93,8 +98,15 @@ def forbidden(file_tier: bool) -> Sequence[Forbidden]:
     return (CONFIG_FILE, EXTRA_CONFIG) if file_tier else (CONFIG_FILE,)
 
 
+# "0" turns each off (sglang/srt/environ.py); set explicitly, it also wins over the same
+# names from a ConfigMap or Secret (envFrom), which the webhook cannot read.
+OWN_EVICTOR_OFF = "0"
+
+
 def env(mount_path: str | None) -> dict[str, str]:
-    """Env SGLang needs: the file tier's directory when there is one."""
+    """Env SGLang needs: the file tier's directory, and its own evictor held off, when
+    there is one."""
     if mount_path is None:
         return {}
-    return {ENV_STORAGE_DIR: f"{mount_path.rstrip('/')}/{STORAGE_DIR}"}
+    return {ENV_STORAGE_DIR: f"{mount_path.rstrip('/')}/{STORAGE_DIR}"} | {
+        name: OWN_EVICTOR_OFF for name in ENV_OWN_EVICTOR}
