@@ -20,6 +20,7 @@ from typing import Any
 from kvtier_operator import KIND
 from kvtier_operator.cache_registry import CacheLookup
 from kvtier_operator.conflict_log import ConflictLog
+from kvtier_operator.engines import immutable
 from kvtier_operator.loading import InvalidResource, parse_tpc
 from kvtier_operator.models import LabelSelector
 from kvtier_operator.render import names
@@ -297,6 +298,13 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
     except InvalidResource as err:
         return _response(uid, allowed=False, code=422,
                          message=f"{KIND} {err.name} is invalid: " + "; ".join(err.messages))
+    if request.get("operation") == "UPDATE":
+        old = request.get("oldObject")
+        changed = immutable.changed_fields(old.get("spec") if isinstance(old, dict) else None,
+                                           body.get("spec"))
+        if changed:
+            return _response(uid, allowed=False, code=422,
+                             message="; ".join(immutable.message(f) for f in changed))
     mine = selector_rules(tpc.spec.selector)
     others = [t for t in caches.in_namespace(tpc.namespace) if t.name != tpc.name]
     overlapping = [t.name for t in others

@@ -644,11 +644,13 @@ class Router(ApiModel):
 
 
 def _engine_rules(schema: dict[str, Any]) -> None:
-    """The CRD's engine/connector rules, generated from the adapter registry (imported
-    here, when the schema is built, because the adapters import these models)."""
+    """The CRD's engine/connector rules, generated from the adapter registry, and the
+    transition rules keeping them fixed on a live cache (imported here, when the schema
+    is built, because the adapters import these models)."""
+    from kvtier_operator.engines.immutable import transition_rules
     from kvtier_operator.engines.registry import cel_rules
 
-    schema.setdefault("x-kubernetes-validations", []).extend(cel_rules())
+    schema.setdefault("x-kubernetes-validations", []).extend(cel_rules() + transition_rules())
 
 
 # Rules that hold whatever the engine; the registry adds its own (see _engine_rules).

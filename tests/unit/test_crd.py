@@ -111,15 +111,23 @@ def _at(doc: dict, path: str) -> dict | None:
     return node
 
 
-def _failed_messages(doc: dict) -> list[str]:
+def _failed_messages(doc: dict, old: dict | None = None) -> list[str]:
+    """The messages of the rules `doc` fails; with `old`, as an update from `old` (the
+    API server runs transition rules, those naming oldSelf, on updates only)."""
     env = celpy.Environment()
     failed = []
     for path, rule in _rules(openapi_schema()):
         target = _at(doc, path)
         if target is None:
             continue
+        binding = {"self": celpy.json_to_cel(target)}
+        if "oldSelf" in rule["rule"]:
+            before = _at(old, path) if old is not None else None
+            if before is None:
+                continue
+            binding["oldSelf"] = celpy.json_to_cel(before)
         program = env.program(env.compile(rule["rule"]))
-        if not bool(program.evaluate({"self": celpy.json_to_cel(target)})):
+        if not bool(program.evaluate(binding)):
             failed.append(rule["message"])
     return failed
 
@@ -140,8 +148,9 @@ def test_cel_rules_exist_for_cross_field_checks():
     found = _rules(openapi_schema())
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
     # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
-    # connector pair, shared tier, backend, and one per settings block (tpu, mooncake)
-    assert len(cross_field) == 15
+    # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
+    # the transition rules keeping engine, connector and storage backend fixed
+    assert len(cross_field) == 18
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
@@ -178,3 +187,39 @@ def test_cel_rules_accept_the_examples():
 def test_cel_rules_reject(patch, needle):
     doc = _schema_defaults(merge(BASE_TPC, {"spec": patch}))
     assert any(needle in m for m in _failed_messages(doc))
+
+
+# ------------------------------------------------ what a live cache may not change
+
+SGLANG = {"engine": "sglang", "sglang": {}, "storage": {"backend": None}}
+IMMUTABLE_CHANGES = [
+    ({}, SGLANG, "spec.engine cannot change"),
+    ({}, {"connector": "lmcache", "storage": {"backend": None}}, "spec.connector cannot change"),
+    ({"storage": {"backend": "kvtier"}}, {"storage": {"backend": "vllm-fs"}},
+     "spec.storage.backend cannot change"),
+    ({}, {"storage": {"backend": "vllm-fs"}}, "spec.storage.backend cannot change"),
+]
+IMMUTABLE_KEPT = [
+    ({}, {"cpu": {"size": "200Gi"}}),  # other fields change freely
+    ({}, {"engine": "vllm", "connector": "native"}),  # the defaults, now explicit
+    ({}, {"storage": {"backend": "kvtier"}}),  # the backend's default, now explicit
+    ({"storage": {"backend": "kvtier"}}, {"storage": {"backend": None}}),
+    ({"storage": None, "cpu": {"size": "1Gi"}}, {"storage": {"backend": "vllm-fs", "pvc": {"size": "1Ti"}}}),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "needle"), IMMUTABLE_CHANGES)
+def test_cel_transition_rules_refuse_changing_the_engine(old, new, needle):
+    before = merge(BASE_TPC, {"spec": old})
+    after = merge(before, {"spec": new})
+    failed = _failed_messages(after, old=before)
+    assert any(needle in m and "create a new TieredPrefixCache (and PVC)" in m
+               for m in failed), failed
+    assert _failed_messages(after) == [], "a create of the same object is accepted"
+
+
+@pytest.mark.parametrize(("old", "new"), IMMUTABLE_KEPT)
+def test_cel_transition_rules_allow_updates_that_keep_the_engine(old, new):
+    before = merge(BASE_TPC, {"spec": old})
+    after = merge(before, {"spec": new})
+    assert _failed_messages(after, old=before) == []

@@ -297,6 +297,36 @@ async def test_validating_webhook(webhook):
     assert answer["response"]["allowed"] is True  # a resource never overlaps itself
 
 
+@pytest.mark.parametrize(("change", "field"), [
+    ({"engine": "sglang", "sglang": {}}, "spec.engine"),
+    ({"connector": "lmcache"}, "spec.connector"),
+    ({"storage": {"backend": "vllm-fs"}}, "spec.storage.backend"),
+])
+async def test_validating_webhook_refuses_changing_the_engine_of_a_live_cache(
+        webhook, change, field):
+    old = tpc_doc(name="decode", namespace="llm-d")
+    new = tpc_doc(change, name="decode", namespace="llm-d")
+    update = review(new, operation="UPDATE")
+    update["request"]["oldObject"] = old
+    _, answer = await webhook.post(VALIDATE_PATH, update)
+    r = answer["response"]
+    assert r["allowed"] is False and r["status"]["code"] == 422
+    assert f"{field} cannot change on a live TieredPrefixCache: create a new " \
+        "TieredPrefixCache (and PVC) for another engine; delete this one" in r["status"]["message"]
+    _, answer = await webhook.post(VALIDATE_PATH, review(new))  # a create: allowed
+    assert answer["response"]["allowed"] is True
+
+
+async def test_validating_webhook_allows_updates_that_keep_the_engine(webhook):
+    old = tpc_doc(name="decode", namespace="llm-d")
+    for change in ({"cpu": {"size": "200Gi"}},
+                   {"engine": "vllm", "connector": "native", "storage": {"backend": "kvtier"}}):
+        update = review(tpc_doc(change, name="decode", namespace="llm-d"), operation="UPDATE")
+        update["request"]["oldObject"] = old
+        _, answer = await webhook.post(VALIDATE_PATH, update)
+        assert answer["response"]["allowed"] is True, answer
+
+
 async def test_certificate_rotation_is_picked_up(tmp_path):
     certs = tmp_path / "certs"
     ca1 = make_certs(certs)
