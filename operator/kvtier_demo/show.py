@@ -27,11 +27,13 @@ from kvtier_operator.yamlio import dump
 
 def workload_pods(workload: dict[str, Any], namespace: str) -> list[dict[str, Any]]:
     """The pods the workload's controller would create (a LeaderWorkerSet: a leader and
-    a worker, with the index label LWS adds)."""
+    a worker, with the index label and the group size annotation LWS adds)."""
     templates: list[tuple[dict[str, Any], str | None]]
+    size = "1"
     if workload["kind"] == "LeaderWorkerSet":
         group = workload["spec"]["leaderWorkerTemplate"]
         templates = [(group["leaderTemplate"], "0"), (group["workerTemplate"], "1")]
+        size = str(group.get("size", 1))
     else:
         templates = [(workload["spec"]["template"], None)]
     pods = []
@@ -39,6 +41,7 @@ def workload_pods(workload: dict[str, Any], namespace: str) -> list[dict[str, An
         meta = copy.deepcopy(template.get("metadata") or {})
         if index is not None:
             meta.setdefault("labels", {})["leaderworkerset.sigs.k8s.io/worker-index"] = index
+            meta.setdefault("annotations", {})["leaderworkerset.sigs.k8s.io/size"] = size
         name = f"{workload['metadata']['name']}-0" + (f"-{index}" if index else "")
         pods.append({"apiVersion": "v1", "kind": "Pod",
                      "metadata": {**meta, "name": name, "namespace": namespace},

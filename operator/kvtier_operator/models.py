@@ -472,7 +472,9 @@ class TpuSettings(ApiModel):
         default=1, ge=1, le=256,
         description="TPU hosts (pods) per replica: 1 for a single-host Deployment, the "
         "LeaderWorkerSet size for multi-host. Each host pins its shard of the CPU tier; "
-        "the router then routes to leaders only.",
+        "the router then routes to leaders only. A pod whose LeaderWorkerSet size "
+        "(leaderworkerset.sigs.k8s.io/size) differs, or that has none when hosts > 1, is "
+        "left uninjected and reported.",
     )
     staging_size: Quantity | None = Field(
         default=None,

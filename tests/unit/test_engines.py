@@ -113,7 +113,8 @@ def test_tpu_multi_host_injects_leader_and_worker_and_routes_to_leaders():
 
 def test_tpu_worker_pod_alone_is_found_by_its_ray_command():
     tpc = parse_tpc(tpc_doc({**TPU, "tpu": {"pageSize": 128, "hosts": 4}}))
-    pod = {"metadata": {"name": "w"}, "spec": {"containers": [
+    pod = {"metadata": {"name": "w", "annotations": {"leaderworkerset.sigs.k8s.io/size": "4"}},
+           "spec": {"containers": [
         {"name": "sidecar", "image": "x", "command": ["sleep", "inf"]},
         {"name": "ray", "image": "x", "command": ["sh", "-c",
                                                   "ray start --block --address=$(LEADER):6379"]}]}}
@@ -134,6 +135,69 @@ def test_tpu_user_multihost_backend_other_than_ray_is_a_conflict():
     c["env"].append({"name": "TPU_MULTIHOST_BACKEND", "value": "mp"})
     _, conflicts = inject_workload(tpc, workload, CTX)
     assert any("TPU_MULTIHOST_BACKEND=mp" in c for c in conflicts)
+
+
+LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"
+
+
+def lws_pod(size: str | None, where: str = "annotations") -> dict:
+    """A multi-host leader pod as LeaderWorkerSet creates it (size: its group size)."""
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    template = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    meta = {"name": "decode-0", "labels": {**template["metadata"]["labels"],
+                                           "leaderworkerset.sigs.k8s.io/worker-index": "0"}}
+    if size is not None:
+        meta.setdefault(where, {})[LWS_SIZE] = size
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+
+def multi_host(hosts: int):
+    doc = example("vllm-tpu-multi-host.yaml")
+    doc["spec"]["tpu"]["hosts"] = hosts
+    return parse_tpc(doc)
+
+
+@pytest.mark.parametrize("where", ["annotations", "labels"])
+def test_tpu_pod_of_the_leaderworkerset_size_in_hosts_is_injected(where):
+    result = inject(multi_host(2), lws_pod("2", where), CTX)
+    assert result.conflicts == [] and result.changed
+
+
+@pytest.mark.parametrize(("hosts", "size"), [(4, "2"), (1, "2"), (2, "3")])
+def test_tpu_hosts_other_than_the_pods_leaderworkerset_size_is_a_conflict(hosts, size):
+    result = inject(multi_host(hosts), lws_pod(size), CTX)
+    assert not result.changed
+    assert any(f"spec.tpu.hosts is {hosts} but the pod's {LWS_SIZE} annotation is {size}" in c
+               and f"set spec.tpu.hosts to {size}" in c for c in result.conflicts), \
+        result.conflicts
+
+
+@pytest.mark.parametrize("size", [None, "two", "0"])
+def test_tpu_multi_host_pod_without_a_leaderworkerset_size_is_a_conflict(size):
+    result = inject(multi_host(2), lws_pod(size), CTX)
+    assert not result.changed
+    assert any("spec.tpu.hosts is 2" in c and LWS_SIZE in c for c in result.conflicts), \
+        result.conflicts
+
+
+def test_tpu_single_host_pod_of_a_leaderworkerset_of_one_is_injected():
+    assert inject(multi_host(1), lws_pod("1"), CTX).conflicts == []
+    assert inject(multi_host(1), lws_pod(None), CTX).conflicts == []
+
+
+@pytest.mark.parametrize("hosts", [1, 4])
+def test_tpu_render_compares_hosts_with_the_leaderworkerset_size(hosts):
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    out, conflicts = inject_workload(multi_host(hosts), workload, CTX)
+    assert conflicts and all(f"spec.tpu.hosts is {hosts}" in c and
+                             "spec.leaderWorkerTemplate.size is 2" in c for c in conflicts), conflicts
+    assert out == workload
+
+
+def test_tpu_multi_host_render_of_a_deployment_is_a_conflict():
+    workload = yaml.safe_load((EXAMPLES / "tpu-deployment.yaml").read_text())
+    _, conflicts = inject_workload(multi_host(2), workload, CTX)
+    assert any("spec.tpu.hosts is 2" in c and "LeaderWorkerSet" in c for c in conflicts)
 
 
 # ----------------------------------------------------------- Mooncake, KVBM

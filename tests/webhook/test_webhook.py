@@ -226,11 +226,13 @@ async def test_server_survives_all_of_that(webhook):
 
 def workload_pods(workload_file):
     """The pods a workload's controller would create (LeaderWorkerSet: leader and worker,
-    with the labels LWS adds)."""
+    with the index label and the group size annotation LWS adds)."""
     workload = yaml.safe_load((EXAMPLES / workload_file).read_text())
+    size = None
     if workload["kind"] == "LeaderWorkerSet":
         group = workload["spec"]["leaderWorkerTemplate"]
         templates = [(group["leaderTemplate"], "0"), (group["workerTemplate"], "1")]
+        size = str(group["size"])
     else:
         templates = [(workload["spec"]["template"], None)]
     pods = []
@@ -238,6 +240,7 @@ def workload_pods(workload_file):
         meta = copy.deepcopy(template["metadata"])
         if index is not None:
             meta["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = index
+            meta.setdefault("annotations", {})["leaderworkerset.sigs.k8s.io/size"] = size
         pods.append({"apiVersion": "v1", "kind": "Pod",
                      "metadata": {**meta, "name": f"decode-{index or 0}", "namespace": "llm-d"},
                      "spec": copy.deepcopy(template["spec"])})
@@ -265,6 +268,24 @@ async def test_tpu_engines_in_their_own_pod_shapes(webhook, variant):
         assert patched["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH]
         _, again = await webhook.post(MUTATE_PATH, review(patched, uid=f"v-{i}"))
         assert "patch" not in again["response"]
+
+
+async def test_tpu_hosts_other_than_the_leaderworkerset_size_is_a_conflict(webhook):
+    """A LeaderWorkerSet pod of 2 hosts under spec.tpu.hosts 4 would get a quarter of each
+    chunk's memory: left alone, with a warning and a recorded conflict naming both."""
+    doc = copy.deepcopy(CR_EXAMPLES["vllm-tpu-multi-host.yaml"])
+    doc["spec"]["tpu"]["hosts"] = 4
+    webhook.caches.observe("ADDED", doc)
+    for i, pod in enumerate(workload_pods("tpu-leaderworkerset.yaml")):
+        _, answer = await webhook.post(MUTATE_PATH, review(pod, uid=f"u-{i}"))
+        r = answer["response"]
+        assert r["allowed"] is True and "patch" not in r
+        assert any("spec.tpu.hosts is 4" in w and "leaderworkerset.sigs.k8s.io/size annotation is 2" in w
+                   for w in r["warnings"]), r["warnings"]
+    recorded = webhook.conflicts.for_cache("llm-d", doc["metadata"]["name"],
+                                           ["decode-0", "decode-1"])
+    assert sorted(recorded) == ["decode-0", "decode-1"]
+    assert all("spec.tpu.hosts is 4" in why for why in recorded.values())
 
 
 async def test_validating_webhook_refuses_an_impossible_engine_pair(webhook):

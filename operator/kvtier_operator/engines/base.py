@@ -126,6 +126,13 @@ class Adapter(ABC):
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         """/dev/shm size (None: leave it alone) and the memory request increase."""
 
+    def group_conflict(self, spec: TieredPrefixCacheSpec, pod: dict[str, Any],
+                       workload: dict[str, Any] | None = None) -> str | None:
+        """Why the pod's group (e.g. the LeaderWorkerSet it belongs to) does not fit the
+        spec, or None. `workload`: the workload whose template `pod` is (kvtier render),
+        else `pod` is a real pod (the webhook)."""
+        return None
+
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []
 

@@ -22,6 +22,9 @@ ENV_STAGING_BLOCKS = "TPU_OFFLOAD_NUM_STAGING_BLOCKS"
 ENV_MULTIHOST_BACKEND = "TPU_MULTIHOST_BACKEND"  # must be "ray" (or unset) on multi-host
 # LeaderWorkerSet labels every pod with its index in the group; the leader is 0.
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+# ... and annotates it with the group's size, leader included (its LWS_GROUP_SIZE env).
+LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"
+MAX_HOSTS = 256  # spec.tpu.hosts' bound
 # A multi-host worker: llm-d's `multi-node-serving.sh worker`, or a plain `ray start
 # --address=...` (both only join the leader's Ray cluster; they serve nothing).
 _WORKER = re.compile(r"multi-node-serving\.sh[ \t'\"]+worker(?![A-Za-z0-9_\-])"
@@ -76,6 +79,28 @@ class VllmTpuNative(Adapter):
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         return sizing.pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
 
+    def group_conflict(self, spec: TieredPrefixCacheSpec, pod: dict[str, Any],
+                       workload: dict[str, Any] | None = None) -> str | None:
+        """spec.tpu.hosts against the real host count: each host pins 1/hosts of the CPU
+        tier (a hosts larger than the group under-sizes every pod's memory), and hosts > 1
+        runs Ray and routes to leaders only."""
+        hosts = spec.tpu.hosts if spec.tpu is not None else 1
+        size, where = _group_size(pod, workload)
+        fix = f"spec.tpu.hosts is {hosts} but {where}"
+        if size is None:
+            if hosts == 1:
+                return None  # a single-host pod (a Deployment's)
+            return (f"{fix}: multi-host needs the pods of a LeaderWorkerSet of that size; "
+                    "set spec.tpu.hosts to 1 for single-host pods")
+        count = size if isinstance(size, int) else int(size) if (
+            isinstance(size, str) and size.isdigit() and len(size) < 4) else 0
+        if not 1 <= count <= MAX_HOSTS:
+            return f"{fix} is {str(size)[:20]!r}, not a host count (1 to {MAX_HOSTS})"
+        if count != hosts:
+            return (f"{fix} is {count}: each host would pin 1/{hosts} of the CPU tier; set "
+                    f"spec.tpu.hosts to {count}")
+        return None
+
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         return sizing.tpu_router_blocks(spec, self.router_block_size(spec))
 
@@ -83,3 +108,21 @@ class VllmTpuNative(Adapter):
         tpu = tpc.spec.tpu
         # Multi-host: only the leader runs vLLM's HTTP server.
         return {LWS_WORKER_INDEX: "0"} if tpu is not None and tpu.hosts > 1 else None
+
+
+def _group_size(pod: dict[str, Any], workload: dict[str, Any] | None) -> tuple[Any, str]:
+    """The pod's group size as written (None: not a LeaderWorkerSet pod) and where it was
+    read, for messages."""
+    if workload is not None:
+        kind = str(workload.get("kind"))[:40]
+        if kind != "LeaderWorkerSet":
+            return None, f"a {kind} is no LeaderWorkerSet"
+        group = (workload.get("spec") or {}).get("leaderWorkerTemplate") or {}
+        # LeaderWorkerSet defaults an unset size to 1.
+        return group.get("size", 1), "the LeaderWorkerSet's spec.leaderWorkerTemplate.size"
+    meta = pod.get("metadata") or {}
+    for kind in ("annotations", "labels"):
+        values = meta.get(kind) or {}
+        if isinstance(values, dict) and LWS_SIZE in values:
+            return values[LWS_SIZE], f"the pod's {LWS_SIZE} {kind[:-1]}"
+    return None, f"the pod has no {LWS_SIZE} annotation (no LeaderWorkerSet pod)"

@@ -246,8 +246,10 @@ def init_container(ctx: RenderContext) -> dict[str, Any]:
     }
 
 
-def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> Injection:
-    """The pod with the cache injected, or the pod unchanged plus the conflicts."""
+def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
+           workload: dict[str, Any] | None = None) -> Injection:
+    """The pod with the cache injected, or the pod unchanged plus the conflicts.
+    `workload`: the workload whose pod template `pod` is (None: `pod` is a real pod)."""
     digest = config_hash(tpc, ctx)
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if annotations.get(names.ANNOTATION_CONFIG_HASH) == digest:
@@ -262,6 +264,9 @@ def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext) -> I
     spec = tpc.spec
     adapter = adapter_for(spec)
     conflicts: list[str] = []
+    group = adapter.group_conflict(spec, pod, workload)
+    if group:
+        conflicts.append(group)
     if role == PodRole.server:
         own = adapter.launcher.own_offload_flags(command_line(container))
         if own:
@@ -336,7 +341,7 @@ def inject_workload(tpc: TieredPrefixCache, obj: dict[str, Any],
         template = parent.get(path[-1]) if path else out
         if template is None:
             continue
-        result = inject(tpc, template, ctx)
+        result = inject(tpc, template, ctx, workload=None if kind == "Pod" else obj)
         conflicts += result.conflicts
         if path:
             parent[path[-1]] = result.pod
