@@ -697,7 +697,10 @@ class TieredPrefixCacheSpec(ApiModel):
     container_name: ContainerName | None = Field(
         default=None,
         description="Container running the engine; default: the one whose command starts "
-        "it (vllm serve), or on multi-host TPU workers the Ray worker container.",
+        "it (vllm serve), or on multi-host TPU workers the Ray worker container. On a "
+        "multi-host worker pod without a container of this name (leader and worker "
+        "containers named differently), the one container whose command runs a worker is "
+        "injected.",
     )
     model: ModelGeometry = Field(description="The served model and its KV geometry.")
     connector: Connector = Field(

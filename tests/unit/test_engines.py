@@ -137,6 +137,31 @@ def test_tpu_user_multihost_backend_other_than_ray_is_a_conflict():
     assert any("TPU_MULTIHOST_BACKEND=mp" in c for c in conflicts)
 
 
+def test_tpu_container_name_of_the_leader_also_finds_the_worker():
+    """llm-d's LeaderWorkerSet names them modelserver-leader and modelserver-worker: with
+    containerName the leader's, a worker pod has no such container, and its Ray worker
+    container (found by its command) is injected instead of every worker conflicting."""
+    doc = example("vllm-tpu-multi-host.yaml")
+    doc["spec"]["containerName"] = "modelserver-leader"
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    out, conflicts = inject_workload(parse_tpc(doc), workload, CTX)
+    assert conflicts == []
+    group = out["spec"]["leaderWorkerTemplate"]
+    (lc,), (wc,) = (group[t]["spec"]["containers"] for t in ("leaderTemplate", "workerTemplate"))
+    assert "--kv-transfer-config" in lc["args"][0]
+    assert env_of(wc)["TPU_MULTIHOST_BACKEND"] == "ray"
+    assert names.ENV_KV_TRANSFER_CONFIG not in env_of(wc)
+
+
+def test_container_name_missing_without_a_worker_is_still_a_conflict():
+    doc = example("vllm-tpu-multi-host.yaml")
+    doc["spec"]["containerName"] = "modelserver-typo"
+    workload = yaml.safe_load((EXAMPLES / "tpu-leaderworkerset.yaml").read_text())
+    _, conflicts = inject_workload(parse_tpc(doc), workload, CTX)
+    assert len(conflicts) == 1  # the leader: its container runs vllm serve, no worker
+    assert "no container named 'modelserver-typo'" in conflicts[0]
+
+
 LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"
 
 

@@ -86,6 +86,12 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]
             if c.get("name") == wanted:
                 worker = launcher.runs_worker(c) and not launcher.runs_server(c)
                 return c, PodRole.worker if worker else PodRole.server, ""
+        # A multi-host worker pod names its container differently from the leader's
+        # (llm-d: modelserver-leader, modelserver-worker): its one worker container.
+        workers = [c for c in containers if launcher.runs_worker(c)
+                   and not launcher.runs_server(c)]
+        if len(workers) == 1:
+            return workers[0], PodRole.worker, ""
         have = ", ".join(c.get("name", "?") for c in containers) or "none"
         return None, PodRole.server, (
             f"no container named {wanted!r} (containers: {have}); fix spec.containerName"
