@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtier_offload import batchio
-from tests.offload.conftest import FP, keys, rows, run_store
+from tests.offload.conftest import keys, rows, run_store
 
 SHIM = Path(__file__).parent / "shims" / "estale.c"
 ROOT = Path(__file__).parents[2]
