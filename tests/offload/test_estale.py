@@ -47,9 +47,13 @@ def written(make_store, tmp_path) -> Path:
 
 def in_shim(shim: Path, code: str) -> dict:
     """Run code (which prints one JSON line) in a child with the shim preloaded."""
-    env = dict(os.environ, LD_PRELOAD=str(shim), KVTIER_TEST_ESTALE=".kvb",
-               PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in
-                                          ("", "sidecar", "operator", "evictor")))
+    # After what is preloaded already (scripts/sanitize.sh: the ASan runtime, which must
+    # come first), on the path this process has (there: the sanitized build).
+    path = os.environ.get("PYTHONPATH") or os.pathsep.join(
+        str(ROOT / p) for p in ("sidecar", "operator", "evictor"))
+    env = dict(os.environ, KVTIER_TEST_ESTALE=".kvb",
+               LD_PRELOAD=":".join(filter(None, (os.environ.get("LD_PRELOAD"), str(shim)))),
+               PYTHONPATH=os.pathsep.join((str(ROOT), path)))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
