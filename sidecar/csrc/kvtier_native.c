@@ -289,8 +289,9 @@ static int64_t read_file(const Batch *b, Py_ssize_t i, const char *path, unsigne
     /* Nothing but a regular file is read (the flags keep a FIFO from blocking the open,
      * a symlink from being followed); its times are taken on the way, from the open file
      * (by name would be one more round trip on a network filesystem). */
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        *stale = errno == ESTALE;
+    int got = fstat(fd, &st) == 0;
+    if (!got || !S_ISREG(st.st_mode)) {
+        *stale = !got && errno == ESTALE;
         close(fd);
         return NOT_DONE;
     }
