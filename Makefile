@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds docs bench images clean glusterfs-packages engine-sources
+.PHONY: demo test lint crds docs bench images clean glusterfs-packages engine-sources sanitize
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+
+# The offload backend's C extension under ASan + UBSan (build/sanitize), with the tests
+# that drive it: about a minute here; not part of `make test`.
+sanitize: $(STAMP_DEV)
+	PYTHON=$(BIN)/python scripts/sanitize.sh
 
 crds: $(STAMP_OPERATOR)
 	$(BIN)/kvtier crd -o $(CRD)

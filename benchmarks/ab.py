@@ -11,6 +11,11 @@ median GB/s of each and the median and range of the per-round ratios (this / REF
 - `BlockStore` store and load jobs on the disk (page cache dropped before loads where
   permitted) and on /dev/shm, what `benchmarks store` and floor's step 4 measure.
 
+Before those, the payload digest alone (`digest.digest` of each, in-cache and 16 MiB
+buffers, thread CPU time, alternating). KVTIER_BENCH_AB_CLOCK=cpu times every round in
+process CPU seconds (user+sys of all threads) instead of wall seconds: on a machine
+shared with other work, time spent waiting for a core then counts for neither side.
+
 REF's package must run from its Python sources (numba, as at the merge-base of issue 22,
 does); a REF that needs a C build of its own is not supported.
 """
@@ -41,6 +46,9 @@ BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20)
 THREADS = len(os.sched_getaffinity(0))
 FP = "0123456789abcdef"
 ALIAS = "kvtier_offload_ab"
+CLOCK = time.process_time if os.environ.get("KVTIER_BENCH_AB_CLOCK") == "cpu" else (
+    time.perf_counter)
+DIGEST_SIZES = (128 << 10, 512 << 10, 16 << 20)
 
 
 def load_ref(ref: str, into: str) -> ModuleType:
@@ -137,9 +145,35 @@ class Side:
 
 
 def timed(fn: Callable[[], None], nbytes: int) -> float:
-    began = time.perf_counter()
+    began = CLOCK()
     fn()
-    return nbytes / (time.perf_counter() - began) / 1e9
+    return nbytes / (CLOCK() - began) / 1e9
+
+
+def compare_digests(rounds: int = 30) -> None:
+    """Each side's digest.digest over one buffer, taking turns: GB/s per core."""
+    fns = {name: importlib.import_module(f"{name}.digest").digest
+           for name in ("kvtier_offload", ALIAS)}
+    print(f"\n### payload digest alone (digest.digest), thread CPU time, {rounds} "
+          "alternating rounds")
+    print("| buffer | this GB/s (median) | REF GB/s (median) | ratio (median) |")
+    print("|---|---|---|---|")
+    for size in DIGEST_SIZES:
+        buf = np.frombuffer(os.urandom(size), np.uint8).copy()
+        for fn in fns.values():
+            fn(buf)  # warm
+        got: dict[str, list[float]] = {name: [] for name in fns}
+        for r in range(rounds):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                n = max(1, (32 << 20) // size)
+                began = time.thread_time()
+                for _ in range(n):
+                    fns[name](buf)
+                got[name].append(size * n / (time.thread_time() - began) / 1e9)
+        this, ref = got["kvtier_offload"], got[ALIAS]
+        ratios = [a / b for a, b in zip(this, ref, strict=True)]
+        print(f"| {size >> 10} KiB | {median(this):.1f} | {median(ref):.1f} | "
+              f"{median(ratios):.2f}x |")
 
 
 def one_round(side: Side, layer: bool, disk: bool) -> tuple[float, float]:
@@ -188,6 +222,7 @@ def main() -> None:
         short = subprocess.run(["git", "rev-parse", "--short", ref], text=True,
                                capture_output=True).stdout.strip()
         print(f"this tree against REF {ref} ({short})")
+        compare_digests()
         if os.path.isdir("/dev/shm"):
             shm = tempfile.mkdtemp(prefix="kvtier-ab-", dir="/dev/shm")
             try:

@@ -268,9 +268,11 @@ typedef struct {
     int fsync;          /* stores only */
 } Batch;
 
-/* One block of a load: DONE when a regular file with exactly the expected header and a
- * payload matching its digest was read into place. */
-static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char *want)
+/* One attempt at a block of a load: DONE when a regular file with exactly the expected
+ * header and a payload matching its digest was read into place. *stale: it failed with
+ * ESTALE (a network filesystem's cached name for a file another node has replaced). */
+static int64_t read_file(const Batch *b, Py_ssize_t i, const char *path, unsigned char *want,
+                         int *stale)
 {
     unsigned char *header = b->headers + (size_t)i * HEADER_SIZE;
     unsigned char *payload = (unsigned char *)(intptr_t)b->addresses[i];
@@ -278,19 +280,25 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
     uint64_t digest = 0;
     struct stat st;
 
-    path_into(path, &b->names, i, 0);
+    *stale = 0;
     int fd = open(path, b->flags, 0);
-    if (fd < 0)
+    if (fd < 0) {
+        *stale = errno == ESTALE;
         return NOT_DONE;
+    }
     /* Nothing but a regular file is read (the flags keep a FIFO from blocking the open,
-     * a symlink from being followed); its times are taken on the way. */
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+     * a symlink from being followed); its times are taken on the way, from the open file
+     * (by name would be one more round trip on a network filesystem). */
+    int got = fstat(fd, &st) == 0;
+    if (!got || !S_ISREG(st.st_mode)) {
+        *stale = !got && errno == ESTALE;
         close(fd);
         return NOT_DONE;
     }
     int64_t atime = ns_of(st.st_atim), mtime = ns_of(st.st_mtim);
     b->last_used[i] = atime > mtime ? atime : mtime;
     int whole;
+    errno = 0; /* a short file (EOF) sets none */
     if (b->piece > 0 && b->piece < size) {
         whole = in_pieces(fd, header, payload, size, b->piece, 0, &digest);
     } else {
@@ -298,6 +306,7 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
         if (whole)
             digest = xxh3.hash(payload, size);
     }
+    *stale = !whole && errno == ESTALE;
     close(fd); /* read-only: nothing to lose on a failed close */
     if (!whole)
         return NOT_DONE;
@@ -309,6 +318,25 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
         || get_le64(header + DIGEST_OFFSET) != digest)
         return NOT_DONE;
     return DONE;
+}
+
+/* One block of a load, tried once more where the first try met ESTALE: on a network
+ * filesystem (GlusterFS, NFS) a node's cached name can point for a while (GlusterFS: its
+ * 1 s entry timeout) at the file another node has just replaced. A stat by name fails
+ * there too and makes the kernel look the name up afresh (it retries a path lookup that
+ * met ESTALE with revalidation); the second open then gets the new file. */
+static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char *want)
+{
+    int stale;
+    path_into(path, &b->names, i, 0);
+    int64_t status = read_file(b, i, path, want, &stale);
+    if (status == DONE || !stale)
+        return status;
+    struct stat st;
+    if (fstatat(AT_FDCWD, path, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return NOT_DONE; /* gone meanwhile: a miss the Python path reports */
+    b->last_used[i] = 0;
+    return read_file(b, i, path, want, &stale);
 }
 
 /* One block of a store: written to its temp name, closed and renamed to its final name.

@@ -22,10 +22,11 @@ path for everything.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +41,8 @@ EXISTS = 2  # a store whose final name was already there: nothing written
 # tty never becomes the controlling terminal, a symlink at the block's name is refused
 # (ELOOP). The type is checked after open, before any read.
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+
+T = TypeVar("T")
 
 _native = native.module
 AVAILABLE = _native is not None
@@ -77,6 +80,22 @@ def eligible(buffer: memoryview, direct: bool, at: int | None = None) -> bool:
                           and (address(buffer) if at is None else at) % 4096 == 0)
 
 
+def again_if_stale(path: str | bytes, attempt: Callable[[], T]) -> T:
+    """attempt() (open, read and check the block file at path), and once more where it
+    failed with ESTALE: on a network filesystem (GlusterFS, NFS) a node's cached name can
+    point for a while (GlusterFS: its 1 s entry timeout) at the file another node has just
+    replaced; the open succeeds, the first fstat or read fails. A stat by name fails there
+    too and makes the kernel look the name up afresh, so the second attempt opens the new
+    file (read_blocks does the same in C). FileNotFoundError where the name is gone."""
+    try:
+        return attempt()
+    except OSError as err:
+        if err.errno != errno.ESTALE:
+            raise
+    os.stat(path, follow_symlinks=False)
+    return attempt()
+
+
 def _check_piece(piece: int) -> None:
     if piece < 0 or piece % 4096:
         raise ValueError(f"piece must be 0 or a multiple of 4096, not {piece}")
@@ -95,7 +114,8 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
     Returns (status, last use): DONE where all of that holds, else NOT_DONE (so is
     anything but a regular file: opened with READ_FLAGS, its type checked before a byte
     is read); last use is the later of the file's atime and mtime in ns before this read,
-    0 where the file was not opened. The caller
+    0 where the file was not opened. A block whose first try met ESTALE (a network
+    filesystem's stale name, see again_if_stale) is tried once more. The caller
     vouches that each address range is writable memory it owns; with direct, addresses and
     headers must be 4 KiB aligned. piece: payloads larger than this move in pieces of it
     (a multiple of 4 KiB), each hashed while in cache; 0: one read per file (what a device
