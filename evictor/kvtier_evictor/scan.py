@@ -9,8 +9,10 @@ file.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvtier_evictor.layouts import Kind, Layout
+from kvtier_evictor.layouts import Layout
 
 
 class Candidate(NamedTuple):
@@ -127,32 +129,76 @@ class ScanTotals:
         self.errors += other.errors
 
 
-def _scandir(path: str, totals: ScanTotals) -> list[os.DirEntry[str]]:
+# Every directory below the root is opened relative to its parent without following a
+# symlink (a symlink or a file in a directory's place: ELOOP or ENOTDIR, left alone), read
+# through that fd, and its files stat'ed by name relative to it (fstatat): no path is
+# walked, so no directory swapped for a symlink can lead the scan outside the tree, and a
+# file costs one short lookup instead of a walk of every directory above it. The root
+# itself is opened as given (see anchored.py).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_BELOW_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW
+_REPLACED = frozenset({errno.ELOOP, errno.ENOTDIR})
+
+
+def _open_below(name: str, parent_fd: int, path: str, totals: ScanTotals) -> int | None:
+    """An fd of the directory `name` in parent_fd; None where it is gone, is no directory
+    (a file or a symlink stands there) or cannot be opened (an error)."""
     try:
-        with os.scandir(path) as it:
-            return list(it)
+        return os.open(name, _BELOW_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
-        return []  # removed under us by a writer's cleanup or another tool
+        return None  # removed under us by a writer's cleanup or another tool
+    except OSError as err:
+        if err.errno not in _REPLACED:
+            totals.errors.append(f"open {path}: {err.strerror or err}")
+        return None
+
+
+def _listdir(fd: int, path: str, totals: ScanTotals) -> list[str] | None:
+    """The names in the directory open as fd; None where it cannot be read."""
+    try:
+        with os.scandir(fd) as it:
+            return [entry.name for entry in it]
+    except FileNotFoundError:
+        return None
     except OSError as err:
         totals.errors.append(f"scandir {path}: {err.strerror or err}")
-        return []
+        return None
 
 
-def units(root: str, layout: Layout) -> Iterator[tuple[str, int]]:
-    """Directories at the layout's parallel level (or above it where the tree is short)."""
+def units(root: str, layout: Layout) -> Iterator[tuple[str, int, tuple[str, ...]]]:
+    """Directories at the layout's parallel level (or above it where the tree is short):
+    (path, level, names below the root)."""
+    totals = ScanTotals()  # errors here show again when the unit is scanned
 
-    def descend(path: str, level: int) -> Iterator[tuple[str, int]]:
-        if level == layout.parallel_level:
-            yield path, level
-            return
-        for entry in _scandir(path, ScanTotals()):
-            if layout.dir_matches(level, entry.name) and entry.is_dir(follow_symlinks=False):
-                yield from descend(entry.path, level + 1)
+    def descend(fd: int, path: str, level: int, names: tuple[str, ...]
+                ) -> Iterator[tuple[str, int, tuple[str, ...]]]:
+        matches = layout.dir_levels[level].fullmatch
+        for name in sorted(_listdir(fd, path, totals) or ()):
+            if matches(name) is None:
+                continue
+            child_path = os.path.join(path, name)
+            if level + 1 == layout.parallel_level:
+                yield child_path, level + 1, (*names, name)  # opened by scan_unit
+                continue
+            child = _open_below(name, fd, child_path, totals)
+            if child is None:
+                continue
+            try:
+                yield from descend(child, child_path, level + 1, (*names, name))
+            finally:
+                os.close(child)
 
     if layout.parallel_level == 0:
-        yield root, 0
-    else:
-        yield from descend(root, 0)
+        yield root, 0, ()
+        return
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return  # scan_unit reports it
+    try:
+        yield from descend(root_fd, root, 0, ())
+    finally:
+        os.close(root_fd)
 
 
 @dataclass
@@ -163,65 +209,118 @@ class ScanRules:
     dir_guard_seconds: float
 
 
-def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
-              selection: LruSelection | None) -> ScanTotals:
-    """Walk one unit's subtree; `level` is the index of the pattern its children match."""
-    totals = ScanTotals()
+def _open_unit(root: str, names: tuple[str, ...], totals: ScanTotals) -> int | None:
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as err:
+        totals.errors.append(f"open {root}: {err.strerror or err}")
+        return None
+    path = root
+    for name in names:
+        path = os.path.join(path, name)
+        try:
+            child = _open_below(name, fd, path, totals)
+        finally:
+            os.close(fd)
+        if child is None:
+            return None
+        fd = child
+    return fd
 
-    def walk(directory: str, lvl: int) -> None:
-        removable = lvl > layout.first_removable_level  # lvl: its children's level
+
+def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
+              selection: LruSelection | None, root: str | None = None,
+              names: tuple[str, ...] = ()) -> ScanTotals:
+    """Walk one unit's subtree; `level` is the index of the pattern its children match.
+    The unit is opened from `root` down through `names` (default: `path` itself is the
+    root), one directory at a time without following symlinks."""
+    totals = ScanTotals()
+    first_removable = layout.first_removable_level
+    leaf_level = len(layout.dir_levels)
+    block_file = layout.block_file.fullmatch
+    temp_file = layout.temp_file.fullmatch if layout.temp_file is not None else None
+    now = rules.now
+    min_idle, temp_guard = rules.min_idle_seconds, rules.temp_guard_seconds
+    dir_guard = rules.dir_guard_seconds
+    fstatat = os.stat
+    is_reg = stat.S_ISREG
+
+    def walk(fd: int, directory: str, lvl: int) -> None:
+        removable = lvl > first_removable  # lvl: its children's level
         if removable:  # its age and size before anything here is deleted
-            totals.dirs += 1  # one more call to time (scan's thread choice)
             try:
-                dir_st = os.stat(directory, follow_symlinks=False)
+                dir_st = os.fstat(fd)
             except OSError:
-                removable = False  # gone or unreadable: nothing to remove
-        entries = _scandir(directory, totals)
-        totals.dirs += 1
-        if removable:
-            old = rules.now - dir_st.st_mtime >= rules.dir_guard_seconds
-            totals.directories[directory] = DirInfo(dir_st.st_blocks * 512, len(entries), old)
-            if not entries and old:
-                totals.empty_dirs.append(directory)
-        if not entries:
+                removable = False  # unreadable: nothing to remove
+        names = _listdir(fd, directory, totals)
+        totals.dirs += 2  # calls to time (thread choice): its lookup (open) and its read
+        if names is None:
             return
-        at_leaf = lvl == len(layout.dir_levels)
+        if removable:
+            old = now - dir_st.st_mtime >= dir_guard
+            totals.directories[directory] = DirInfo(dir_st.st_blocks * 512, len(names), old)
+            if not names and old:
+                totals.empty_dirs.append(directory)
+        if not names:
+            return
+        if lvl != leaf_level:
+            matches = layout.dir_levels[lvl].fullmatch
+            for name in names:
+                if matches(name) is None:
+                    continue
+                child_path = os.path.join(directory, name)
+                child = _open_below(name, fd, child_path, totals)
+                if child is None:
+                    continue
+                try:
+                    walk(child, child_path, lvl + 1)
+                finally:
+                    os.close(child)
+            return
+        prefix = directory if directory.endswith("/") else directory + "/"
         offers: list[tuple[float, int, str, int, int]] = []
-        for entry in entries:
-            if not at_leaf:
-                if layout.dir_matches(lvl, entry.name) and entry.is_dir(follow_symlinks=False):
-                    walk(entry.path, lvl + 1)
-                continue
-            kind = layout.classify(entry.name)
-            if kind is None:
+        files = block_bytes = skipped = 0
+        for name in names:
+            block = block_file(name) is not None
+            if not block and (temp_file is None or temp_file(name) is None):
                 continue
             try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                st = entry.stat(follow_symlinks=False)
+                st = fstatat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             except OSError as err:
-                totals.errors.append(f"stat {entry.path}: {err.strerror or err}")
+                totals.errors.append(f"stat {prefix}{name}: {err.strerror or err}")
                 continue
-            size = disk_bytes(st)
-            if kind is Kind.TEMP:
+            if not is_reg(st.st_mode):
+                continue  # a symlink, a directory, a fifo...: not a cache file
+            blocks = st.st_blocks
+            size = blocks * 512 if blocks > 0 else st.st_size
+            if not block:
                 totals.temp_bytes += size
-                if rules.now - st.st_mtime >= rules.temp_guard_seconds:
-                    totals.stale_temps.append(Candidate(st.st_mtime, size, entry.path,
+                if now - st.st_mtime >= temp_guard:
+                    totals.stale_temps.append(Candidate(st.st_mtime, size, prefix + name,
                                                         st.st_dev, st.st_ino))
                 continue
-            totals.files += 1
-            totals.block_bytes += size
-            used = last_use(st)
-            if rules.now - used < rules.min_idle_seconds:
-                totals.skipped_recent += 1
+            files += 1
+            block_bytes += size
+            atime, mtime = st.st_atime, st.st_mtime
+            used = atime if atime > mtime else mtime
+            if now - used < min_idle:
+                skipped += 1
             elif selection is not None:
-                offers.append((used, size, entry.path, st.st_dev, st.st_ino))
+                offers.append((used, size, prefix + name, st.st_dev, st.st_ino))
+        totals.files += files
+        totals.block_bytes += block_bytes
+        totals.skipped_recent += skipped
         if selection is not None:
             selection.offer_many(offers)
 
-    walk(path, level)
+    fd = _open_unit(root if root is not None else path, names, totals)
+    if fd is not None:
+        try:
+            walk(fd, path, level)
+        finally:
+            os.close(fd)
     return totals
 
 
@@ -241,18 +340,18 @@ def scan(root: str, layout: Layout, rules: ScanRules, selection: LruSelection | 
     if threads <= 0:
         start = time.perf_counter()
         while work and totals.calls < 512:  # time enough calls to judge the filesystem
-            path, lvl = work.pop(0)
-            totals.add(scan_unit(path, lvl, layout, rules, selection))
+            path, lvl, names = work.pop(0)
+            totals.add(scan_unit(path, lvl, layout, rules, selection, root, names))
         per_call = (time.perf_counter() - start) / max(totals.calls, 1)
         threads = AUTO_THREADS if per_call > SLOW_SECONDS_PER_CALL else 1
     totals.threads = threads
     if threads == 1:
-        for path, lvl in work:
-            totals.add(scan_unit(path, lvl, layout, rules, selection))
+        for path, lvl, names in work:
+            totals.add(scan_unit(path, lvl, layout, rules, selection, root, names))
         return totals
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = [pool.submit(scan_unit, path, lvl, layout, rules, selection)
-                   for path, lvl in work]
+        futures = [pool.submit(scan_unit, path, lvl, layout, rules, selection, root, names)
+                   for path, lvl, names in work]
         for future in futures:
             totals.add(future.result())
     return totals

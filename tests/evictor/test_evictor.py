@@ -234,15 +234,17 @@ def test_permission_error_is_counted_and_others_still_go(tmp_path, monkeypatch):
 
 def test_unreadable_directory_is_an_error_not_a_crash(tmp_path, monkeypatch):
     lru_tree(tmp_path)
-    real_scandir = os.scandir
-    bad = str(kvtier_path(tmp_path, 0).parent.parent)
+    real_open = os.open
+    bad = kvtier_path(tmp_path, 0).parent.parent
 
-    def scandir(path="."):
-        if str(path) == bad:
+    def open_(path, flags, mode=0o777, *, dir_fd=None):
+        # the scan opens each directory by name in its parent (as root, chmod cannot deny)
+        where = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else ""
+        if os.path.join(where, path) == str(bad):
             raise PermissionError(13, "Permission denied", str(path))
-        return real_scandir(path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
 
-    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(os, "open", open_)
     report = make_run(tmp_path, capacity=10 * U).execute()
     assert report.errors >= 1 and any("Permission denied" in m for m in report.error_messages)
 
