@@ -36,7 +36,7 @@ def probe(path: str, block_bytes: int = 16 << 20, total_bytes: int = 1 << 30,
     os.makedirs(workdir, exist_ok=True)
     # Page-aligned rows, as vLLM's CPU tier hands them over.
     arena = np.frombuffer(bytearray(os.urandom(block_bytes)) * 1, dtype=np.uint8)
-    rows = [memoryview(arena) for _ in range(blocks)]
+    rows = [arena.data for _ in range(blocks)]
     keys = [os.urandom(36) for _ in range(blocks)]
     store = BlockStore(StoreConfig(root=workdir, fingerprint="f" * 16, read_threads=threads,
                                    write_threads=threads, write_queue_seconds=3600))
