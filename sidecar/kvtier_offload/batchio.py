@@ -26,7 +26,7 @@ import errno
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -44,7 +44,10 @@ READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CL
 
 T = TypeVar("T")
 
-_native = native.module
+if TYPE_CHECKING:  # calls into the extension are checked against _native.pyi
+    from kvtier_offload import _native
+else:
+    _native = native.module
 AVAILABLE = _native is not None
 UNAVAILABLE_REASON = native.REASON
 
@@ -124,7 +127,7 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
                                                                    piece, seconds)
     last_used = np.zeros(len(keys), dtype=np.int64)
     flags = READ_FLAGS | (os.O_DIRECT if direct else 0)
-    _native.read_batch(_c_bytes(base), prefix, packed, bounds,  # type: ignore[union-attr]
+    _native.read_batch(_c_bytes(base), prefix, packed, bounds,
                        addresses, sizes, headers, flags, piece, status, last_used, elapsed)
     _times_back(seconds, elapsed)
     return status, last_used
@@ -145,7 +148,7 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
                                                                    piece, seconds)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
-    _native.write_batch(_c_bytes(base), prefix, packed, bounds,  # type: ignore[union-attr]
+    _native.write_batch(_c_bytes(base), prefix, packed, bounds,
                         _c_bytes(token), addresses, sizes, headers, flags, fsync, piece,
                         status, elapsed)
     _times_back(seconds, elapsed)
@@ -157,7 +160,7 @@ def built_for(base: bytes, prefix: bytes, key: bytes, size: int,
     """The path (a temp name, given a token) and header the batch functions build for
     one block: to check them against Layout and fileformat."""
     _packed([key])  # the same key checks as a batch
-    path, header = _native.built(_c_bytes(base), prefix, key,  # type: ignore[union-attr]
+    path, header = _native.built(_c_bytes(base), prefix, key,
                                  _c_bytes(token), size)
     return path, header
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+prom: ModuleType | None
 try:
     import prometheus_client as prom
 except ImportError:  # pragma: no cover - exercised where prometheus-client is absent

@@ -167,7 +167,7 @@ def vllm(root: str, arena: Arena, blocks: int, threads: int,
     os.makedirs(root, exist_ok=True)  # before the probe: it writes a file there
     direct = io.probe_o_direct(root)
     block = arena.rows.shape[1]
-    view = memoryview(arena.rows.reshape(-1))
+    view = arena.rows.reshape(-1).data
     paths = vllm_paths(root, block_keys(blocks, "vllm"))
     offsets = (arena.row_ids(blocks) * block).tolist()
     jobs = shares(blocks, threads)

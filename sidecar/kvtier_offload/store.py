@@ -23,6 +23,7 @@ hung mount costs the caller at most the timeout, never the engine.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -355,8 +356,8 @@ class BlockStore:
         enqueued = time.monotonic()
         block = sources.size(0) if keys else 0
         for batch in self._batches(len(keys), block, reads=False):
-            self._pool.submit_write(lambda j=job, b=batch: self._store_task(
-                j, keys, sources, b, enqueued))
+            self._pool.submit_write(functools.partial(
+                self._store_task, job, keys, sources, batch, enqueued))
 
     def _free_space_ok(self, size: int) -> bool:
         return self._admission.free_space_ok(size)
@@ -547,7 +548,7 @@ class BlockStore:
     def _load(self, job_id: int, keys: list[bytes], dests: BlockBuffers) -> None:
         job = self._start_job(job_id, "load", keys)
         for batch in self._batches(len(keys), dests.size(0) if keys else 0, reads=True):
-            self._pool.submit_read(lambda j=job, b=batch: self._load_task(j, keys, dests, b))
+            self._pool.submit_read(functools.partial(self._load_task, job, keys, dests, batch))
 
     def _load_task(self, job: Job, keys: list[bytes], dests: BlockBuffers,
                    batch: range) -> None:
@@ -614,7 +615,8 @@ class BlockStore:
         start = time.monotonic()
         path = self.layout.path(key)
         try:
-            self._read_verified(key, dest, path)
+            # A network filesystem's stale name (ESTALE) gets one fresh lookup and retry.
+            batchio.again_if_stale(path, lambda: self._read_verified(key, dest, path))
         except FileNotFoundError:
             self._lookups.remember((key,), False)
             self.metrics.operations.labels("load", "missing").inc()

@@ -277,6 +277,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.store_queue_cap = 16 * rows
         self._store_rows_held = 0
         self._store_rows_queued = 0
+        self._store_stream: torch.cuda.Stream | None
+        self._load_stream: torch.cuda.Stream | None
         if self.cuda:
             self._store_stream = torch.cuda.Stream(self.device)
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)  # higher
@@ -599,8 +601,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         """Let the device copies in flight finish, then close the block store, waiting
         at most shutdown_timeout for its I/O threads."""
-        for stream in {self._store_stream, self._load_stream} - {None}:
-            stream.synchronize()
+        for stream in (self._store_stream, self._load_stream):
+            if stream is not None:
+                stream.synchronize()
 
         # The store's jobs hold the staging arrays they read into or write from, so a
         # thread left behind on a hung volume never touches freed memory.

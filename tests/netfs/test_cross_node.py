@@ -157,9 +157,7 @@ def test_writers_of_the_same_key_on_both_nodes_do_not_mix(nodes, stores):
 
 @pytest.mark.parametrize("batch_io", [
     True,
-    pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, reason="the store's Python path (store.py _load_one) does not call "
-        "batchio.again_if_stale yet: store.py is being split into modules")),
+    False,
 ], ids=["batch", "python"])
 def test_a_block_replaced_by_the_other_node_is_still_a_hit(nodes, stores, batch_io):
     """Node A's cached name points at the file node B replaced (GlusterFS: for its 1 s

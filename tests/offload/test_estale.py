@@ -106,9 +106,7 @@ print(json.dumps([int(s) for s in status] + [d == w for d, w in zip(dests, want)
 
 @pytest.mark.parametrize("batch_io", [
     True,
-    pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, reason="the store's Python path (store.py _load_one) does not call "
-        "batchio.again_if_stale yet: store.py is being split into modules")),
+    False,
 ], ids=["batch", "python"])
 def test_a_load_that_meets_estale_is_still_a_hit_with_the_right_bytes(shim, written,
                                                                        batch_io):

@@ -146,8 +146,8 @@ def _read(args: Sequence[str], text: str, flags: Sequence[Flag],
             continue
         reading.values[target.name] = value
     for var in env:
-        value = var.get("value")
-        hidden = sorted({"--" + m.group(1) for m in _FLAG_TOKEN.finditer(str(value or ""))
+        env_value = var.get("value")
+        hidden = sorted({"--" + m.group(1) for m in _FLAG_TOKEN.finditer(str(env_value or ""))
                          if resolve("--" + m.group(1)) is not None})
         if hidden:
             reading.problems.append(

@@ -1,0 +1,154 @@
+"""The lookup cache and the background lookup threads on their own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvtier_offload import lookup
+from kvtier_offload.lookup import BackgroundLookup, LookupCache
+
+A, B, C = b"a" * 8, b"b" * 8, b"c" * 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(lookup, "time", fake)
+    return fake
+
+
+def test_hits_and_misses_expire_after_their_own_ttl(clock):
+    cache = LookupCache(hit_ttl=10.0, miss_ttl=1.0, max_entries=10)
+    cache.remember([A], True)
+    cache.remember([B], False)
+    assert (cache.get(A), cache.get(B), cache.get(C)) == (True, False, None)
+    clock.now += 1.5
+    assert (cache.get(A), cache.get(B)) == (True, None)
+    assert cache.get_all([A, B, C]) == [True, None, None]
+    clock.now += 9.0
+    assert cache.get(A) is None
+
+
+def test_the_least_recently_answered_key_goes_first():
+    cache = LookupCache(hit_ttl=10.0, miss_ttl=10.0, max_entries=2)
+    cache.remember([A, B], True)
+    cache.remember([A], True)  # answered again: now the newest
+    cache.remember([C], False)
+    assert cache.get_all([A, B, C]) == [True, None, False] and len(cache) == 2
+
+
+def test_a_forgotten_key_is_unknown():
+    cache = LookupCache(hit_ttl=10.0, miss_ttl=10.0, max_entries=10)
+    cache.remember([A], True)
+    cache.forget(A)
+    cache.forget(B)  # never known: nothing happens
+    assert cache.get(A) is None
+
+
+def test_asked_keys_are_stat_ed_on_the_lookup_threads():
+    seen: list[tuple[bytes, str]] = []
+    done = threading.Event()
+
+    def stat(key: bytes) -> None:
+        seen.append((key, threading.current_thread().name))
+        done.set()
+
+    background = BackgroundLookup(stat, threads=2, queue_limit=10, pending_seconds=5.0,
+                                  name="test-lookup")
+    try:
+        assert background.ask(A) is True
+        assert done.wait(5)
+        deadline = time.monotonic() + 5
+        while background.waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert background.waiting() == 0
+        (key, thread), = seen
+        assert key == A and thread.startswith("test-lookup-")
+    finally:
+        background.stop()
+        assert background.join(time.monotonic() + 5)
+
+
+def test_a_key_not_answered_in_time_is_overdue_and_asked_once():
+    release = threading.Event()
+    stats: list[bytes] = []
+
+    def hung(key: bytes) -> None:
+        stats.append(key)
+        release.wait(10)
+
+    background = BackgroundLookup(hung, threads=1, queue_limit=10, pending_seconds=0.05)
+    try:
+        assert background.ask(A) is True
+        time.sleep(0.1)
+        assert background.ask(A) is False  # overdue: a miss for the caller
+        assert background.waiting() == 1 and stats == [A]  # still asked only once
+    finally:
+        release.set()
+        background.stop()
+        background.join(time.monotonic() + 5)
+
+
+def test_a_full_queue_makes_new_keys_overdue_at_once():
+    release = threading.Event()
+    background = BackgroundLookup(lambda key: release.wait(10), threads=1, queue_limit=1,
+                                  pending_seconds=60.0)
+    try:
+        assert background.ask(A) is True
+        assert background.ask(B) is False
+        assert background.ask(A) is True  # the one waiting still may come in time
+    finally:
+        release.set()
+        background.stop()
+        background.join(time.monotonic() + 5)
+
+
+def test_a_long_queue_is_shared_by_every_thread():
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    def slow(key: bytes) -> None:
+        with lock:
+            names.add(threading.current_thread().name)
+        time.sleep(0.01)
+
+    background = BackgroundLookup(slow, threads=3, queue_limit=100, pending_seconds=60.0)
+    try:
+        for i in range(30):
+            background.ask(bytes([i]) * 8)
+        deadline = time.monotonic() + 10
+        while background.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(names) == 3
+    finally:
+        background.stop()
+        background.join(time.monotonic() + 5)
+
+
+def test_join_is_bounded_by_a_stat_that_never_returns():
+    release, entered = threading.Event(), threading.Event()
+
+    def hung(key: bytes) -> None:
+        entered.set()
+        release.wait(10)
+
+    background = BackgroundLookup(hung, threads=1, queue_limit=10, pending_seconds=1.0)
+    background.ask(A)
+    assert entered.wait(5)
+    background.stop()
+    started = time.monotonic()
+    assert background.join(time.monotonic() + 0.1) is False
+    assert time.monotonic() - started < 5
+    release.set()
+    assert background.join(time.monotonic() + 5) is True
