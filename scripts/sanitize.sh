@@ -48,7 +48,7 @@ if [ $# -eq 0 ]; then
   set -- tests/offload/test_native.py tests/offload/test_batchio.py \
     tests/offload/test_store.py tests/offload/test_digest.py \
     tests/offload/test_hostile_files.py tests/offload/test_enospc.py \
-    tests/offload/test_estale.py -q -p no:cacheprovider \
+    tests/offload/test_estale.py tests/offload/test_syscalls.py -q -p no:cacheprovider \
     --deselect tests/offload/test_native.py::test_importing_the_backend_costs_under_half_a_second_and_20_mb
   # (that one measures import RSS, which ASan's shadow memory inflates past its limit)
 fi

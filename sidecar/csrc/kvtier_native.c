@@ -339,21 +339,44 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
     return read_file(b, i, path, want, &stale);
 }
 
-/* One block of a store: written to its temp name, closed and renamed to its final name.
- * EXISTS: a regular file had the final name already; NOT_DONE leaves no file behind. */
-static int64_t write_one(const Batch *b, Py_ssize_t i, char *final, char *temp)
+/* Publish temp at final without replacing a block already there: RENAME_NOREPLACE where
+ * the filesystem has it (local ones), else (*plain set: GlusterFS's FUSE client and NFS say
+ * EINVAL) a plain rename, which may replace a block another writer published meanwhile;
+ * that one has the same bytes (a key is a hash of its tokens under one fingerprint) and a
+ * reader keeps the inode it opened, so only the rewrite is wasted. DONE, EXISTS (a
+ * regular file had the final name: temp left for the caller to remove) or NOT_DONE. */
+static int64_t publish(const char *temp, const char *final, int *plain)
+{
+    if (!*plain) {
+        if (renameat2(AT_FDCWD, temp, AT_FDCWD, final, RENAME_NOREPLACE) == 0)
+            return DONE;
+        if (errno == EEXIST) {
+            struct stat st;
+            /* a regular file: another writer got there first; anything else (a
+             * directory, FIFO, symlink): the Python path decides */
+            if (fstatat(AT_FDCWD, final, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+                return EXISTS;
+            return NOT_DONE;
+        }
+        if (errno != EINVAL && errno != ENOSYS)
+            return NOT_DONE;
+        *plain = 1; /* for the rest of the batch: the same filesystem */
+    }
+    return rename(temp, final) == 0 ? DONE : NOT_DONE;
+}
+
+/* One block of a store: written to its temp name, closed and published under its final
+ * name (publish). No existence check first: on a network filesystem that stat is one more
+ * request per block, and a block already known to be there is not sent here (the store's
+ * lookup cache; vLLM looks up before it stores). NOT_DONE and EXISTS leave no temp file. */
+static int64_t write_one(const Batch *b, Py_ssize_t i, char *final, char *temp, int *plain)
 {
     unsigned char *header = b->headers + (size_t)i * HEADER_SIZE;
     unsigned char *payload = (unsigned char *)(intptr_t)b->addresses[i];
     size_t size = (size_t)b->sizes[i];
     uint64_t digest = 0;
-    struct stat st;
 
     path_into(final, &b->names, i, 0);
-    if (fstatat(AT_FDCWD, final, &st, AT_SYMLINK_NOFOLLOW) == 0)
-        /* a regular file: another writer got there first; anything else (a directory,
-         * FIFO, symlink): the Python path decides */
-        return S_ISREG(st.st_mode) ? EXISTS : NOT_DONE;
     header_into(header, &b->names, i, size);
     int pieces = b->piece > 0 && b->piece < size;
     if (!pieces)
@@ -367,10 +390,10 @@ static int64_t write_one(const Batch *b, Py_ssize_t i, char *final, char *temp)
     if (ok && b->fsync)
         ok = fdatasync(fd) == 0;
     ok = close(fd) == 0 && ok; /* NFS reports ENOSPC at close */
-    if (ok && rename(temp, final) == 0)
-        return DONE;
-    unlink(temp);
-    return NOT_DONE;
+    int64_t status = ok ? publish(temp, final, plain) : NOT_DONE;
+    if (status != DONE)
+        unlink(temp);
+    return status;
 }
 
 static void read_all(const Batch *b, char *path, unsigned char *want)
@@ -385,9 +408,10 @@ static void read_all(const Batch *b, char *path, unsigned char *want)
 
 static void write_all(const Batch *b, char *final, char *temp)
 {
+    int plain = 0;
     for (Py_ssize_t i = 0; i < b->count; i++) {
         double began = now_seconds();
-        b->status[i] = write_one(b, i, final, temp);
+        b->status[i] = write_one(b, i, final, temp, &plain);
         b->elapsed[i] = now_seconds() - began;
     }
 }

@@ -36,7 +36,7 @@ from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES
 
 DONE = 0
 NOT_DONE = 1
-EXISTS = 2  # a store whose final name was already there: nothing written
+EXISTS = 2  # a store whose final name was taken when it published: not replaced
 # How a load opens a block file: a FIFO opens at once instead of waiting for a writer, a
 # tty never becomes the controlling terminal, a symlink at the block's name is refused
 # (ELOOP). The type is checked after open, before any read.
@@ -139,11 +139,17 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
     """Write each key's block file under base: its header (built here into
     headers[i * 4096:], digest filled in) and the payload of sizes[i] bytes at
     addresses[i], to the temp name with this token (Layout.temp_path), close, and rename it
-    to its final name. Returns per block DONE, EXISTS (a regular file had its final name
-    already: nothing written) or NOT_DONE (so is a final name held by anything else: a
-    directory, FIFO or symlink); a block not done leaves no file behind. The fan-out
-    directories must exist. piece, seconds (here: from the existence check to the
-    rename), memory and alignment: as for read_blocks."""
+    to its final name. Nothing looks for the final name first (on a network filesystem
+    that is one more request per block; the caller skips blocks its lookups know are
+    there): the rename refuses to replace it (RENAME_NOREPLACE) where the filesystem can,
+    and there EXISTS means a regular file had the final name already (the temp file is
+    removed, the block left as it was) and NOT_DONE anything else there (a directory,
+    FIFO or symlink). Where the filesystem cannot (GlusterFS's FUSE client, NFS: EINVAL,
+    asked once per batch) the rename is plain: a block another writer published meanwhile
+    is replaced by the same bytes (the key is a hash of them) and reported DONE. A block
+    not done leaves no file behind. The fan-out directories must exist. piece, seconds
+    (here: from the temp file's open to the rename), memory and alignment: as for
+    read_blocks."""
     packed, bounds, addresses, sizes, status, elapsed = _arguments(keys, addresses, sizes,
                                                                    piece, seconds)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (

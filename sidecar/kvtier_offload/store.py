@@ -412,7 +412,9 @@ class BlockStore:
         for index in batch:
             key, size = keys[index], sources.size(index)
             batchable = index in at
-            # The batch checks for an existing file itself, in C.
+            # The batch path does not stat the volume first (one request per block on a
+            # network filesystem): the lookup cache above it skips known blocks, and its
+            # rename reports EXISTS where the filesystem can refuse to replace one.
             verdict = self._store_verdict(key, size, enqueued, start, look=not batchable)
             if verdict is not None:
                 self._store_settle(job, index, verdict, size, progress)
@@ -444,7 +446,7 @@ class BlockStore:
                 written.append(key)
                 written_sizes.append(size)
                 times.append(took)
-            elif st == batchio.EXISTS:  # another pod or node stored it first: same bytes
+            elif st == batchio.EXISTS:  # another pod or node published it first: same bytes
                 there.append(key)
             else:  # a directory reaped since it was made, or an error: Python decides
                 ok = self._store_python(key, sources.view(index), self.layout.path(key))

@@ -173,8 +173,9 @@ class KvtierOffloadingManager(OffloadingManager):
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         # From the lookup cache only: the scheduler's thread never stats the volume (a
         # hung mount would stop the engine). A key not known to be there on every rank
-        # is stored; a rank whose file is there already skips the write on its I/O
-        # thread (the writer looks first and counts it as store "exists").
+        # is stored; a rank whose file is there already keeps it (its rename refuses
+        # to replace it where the filesystem can: store "exists"; elsewhere the same bytes
+        # replace it).
         new = [k for k in keys if not self._known_on_every_rank(bytes(k))]
         return PrepareStoreOutput(keys_to_store=new, store_spec=KvtierLoadStoreSpec(new),
                                   evicted_keys=[])
