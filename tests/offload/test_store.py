@@ -6,6 +6,7 @@ import errno
 import mmap
 import multiprocessing
 import os
+import statistics
 import struct
 import time
 
@@ -714,7 +715,10 @@ def test_the_latency_histogram_gets_each_blocks_own_time(tmp_path, batch_io):
             _, _, observed = recorder.take()
             times = sorted(observed[("kvtier_offload_latency_seconds", (direction,))])
             assert len(times) == 6  # one observation per block, none per batch
-            assert times[-1] > 2 * times[-2], (direction, times)  # the large one's own
+            # The large one's own time (an average share would make all six equal),
+            # against the median of the rest: a small block's time can take a scheduling
+            # delay of tens of ms on a busy machine (seen with the suite on 2 workers).
+            assert times[-1] > 2 * statistics.median(times[:-1]), (direction, times)
             assert 0 < sum(times) <= wall  # one thread: real times, within the job's
     finally:
         store.close()
