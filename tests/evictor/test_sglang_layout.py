@@ -36,6 +36,9 @@ SGLANG_PAGE_NAMES = [
     f"{HASH}_my model.v2_0_1.bin",  # a served model name with a space and a dot
 ]
 
+# Test ids are built at collection: every pytest-xdist worker must build the same ones.
+FIXED_UUID = "3f47c128db704d99a6c984f446cb135c"
+
 
 @pytest.mark.parametrize("name", SGLANG_PAGE_NAMES)
 def test_sglang_page_names_are_blocks(name):
@@ -57,10 +60,10 @@ def test_sglang_temp_name_is_uuid4_hex():
     f"{HASH}_m_0_1.kvb",
     f"{HASH}.MAMBA_m_0_1.bin",
     f".{HASH}_m_0_1.bin",
-    f".{uuid.uuid4().hex}.tmp\n",
-    f".{uuid.uuid4().hex[:31]}.tmp",
-    f"{uuid.uuid4().hex}.tmp",  # no leading dot
-    f".{uuid.uuid4().hex}.tmp.1",
+    f".{FIXED_UUID}.tmp\n",
+    f".{FIXED_UUID[:31]}.tmp",
+    f"{FIXED_UUID}.tmp",  # no leading dot
+    f".{FIXED_UUID}.tmp.1",
     LOCK_NAME,
     "config.json",
 ])
