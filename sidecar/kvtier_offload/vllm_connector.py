@@ -56,7 +56,7 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         finished_recving: set[str] = set()
         results = self.worker.get_finished()
         # After get_finished(): the errors of every job it reported failed are in.
-        errors: dict[int, list[int]] = self.worker.take_load_errors()  # type: ignore[attr-defined]
+        errors: dict[int, list[int]] = self.worker.take_load_errors()
         meta = self._connector_worker_meta
         for result in results:
             job_id = result.job_id
@@ -91,6 +91,8 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
 
 class KvtierOffloadingConnector(OffloadingConnector):
     """vLLM's OffloadingConnector with kvtier's failure reporting on the worker side."""
+
+    connector_worker: Any  # set by vLLM's __init__ (None on the scheduler side)
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
