@@ -13,7 +13,6 @@ import base64
 import difflib
 import json
 import os
-import socket
 import ssl
 import sys
 import tempfile
@@ -23,13 +22,13 @@ from typing import Any
 
 import yaml
 
+from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
 from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import sizing
 from kvtier_operator.render.connector import kv_transfer_json
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.yamlio import dump
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,29 +36,6 @@ EXAMPLES = ROOT / "examples"
 EXAMPLE, SAMPLE = "native-kvtier.yaml", "vllm-deployment.yaml"
 NS = "llm-d"
 BLOCKS, BLOCK_BYTES = 48, 1 << 20
-
-
-def say(title: str) -> None:
-    print(f"\n=== {title}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except (KeyError, TypeError):
-            value = None
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"demo: timed out waiting for {what}")
 
 
 def _pod_from(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +84,8 @@ def move_kv_blocks(volume: Path, fingerprint_src: dict[str, Any]) -> dict[str, f
 
 
 async def live(out: Path) -> int:
-    from kmock import KubernetesEmulator, Server
-
     from kvtier_demo import sandbox
-    from kvtier_demo.certs import make_certs
-    from kvtier_operator.handlers import OperatorConfig
-    from kvtier_operator.webhook import MUTATE_PATH, make_app, serve, tls_context
+    from kvtier_operator.webhook import MUTATE_PATH
 
     doc = yaml.safe_load((EXAMPLES / EXAMPLE).read_text())
     tpc = parse_tpc(doc)
@@ -123,123 +95,111 @@ async def live(out: Path) -> int:
                            "a shared tier on a claim kvtier creates)")
     name = tpc.name
     deployment = yaml.safe_load((EXAMPLES / SAMPLE).read_text())
-    ctx = RenderContext()
-    config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2)
-    out.mkdir(parents=True, exist_ok=True)
-    ca = make_certs(out / "webhook-certs")
-    port = _free_port()
-    certs = out / "webhook-certs"
-    tls = tls_context(str(certs / "tls.crt"), str(certs / "tls.key"))
-    async with KubernetesEmulator() as kmock, Server(kmock):
-        sandbox.setup(kmock)
-        runner = await serve(make_app(config.caches, config.conflicts, ctx), "127.0.0.1", port,
-                             tls)
-        try:
-            async with sandbox.operator(kmock, ctx, config=config):
-                say(f"1. kubectl apply -f examples/{EXAMPLE}")
-                cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
-                print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
-                      f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
-                      f"{claim.size} ReadWriteMany claim")
-                doc["metadata"]["uid"] = "demo-uid-1"
-                doc["metadata"]["generation"] = 1
-                kmock.objects[sandbox.TPC, NS, name] = doc
+    async with live_cluster(out) as cluster:
+        kmock, ctx, config, ca, port = (cluster.kmock, cluster.ctx, cluster.config,
+                                        cluster.ca, cluster.port)
+        say(f"1. kubectl apply -f examples/{EXAMPLE}")
+        cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
+        print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
+              f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
+              f"{claim.size} ReadWriteMany claim")
+        doc["metadata"]["uid"] = "demo-uid-1"
+        doc["metadata"]["generation"] = 1
+        kmock.objects[sandbox.TPC, NS, name] = doc
 
-                def get(resource: str, obj: str) -> dict[str, Any] | None:
-                    return sandbox.stored(kmock, resource, NS, obj)
+        def get(resource: str, obj: str) -> dict[str, Any] | None:
+            return sandbox.stored(kmock, resource, NS, obj)
 
-                claim = await _until(lambda: get("v1/persistentvolumeclaims", f"{name}-kv-cache"),
-                                     "the claim")
-                cron = await _until(lambda: get("batch/v1/cronjobs", f"{name}-evictor"), "CronJob")
-                router = await _until(lambda: get("v1/configmaps", f"{name}-router"), "router")
-                say("2. the operator created")
-                print(dump({"PersistentVolumeClaim": {"name": claim["metadata"]["name"],
-                                                      "spec": claim["spec"]}}))
-                container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"][
-                    "containers"][0]
-                print(dump({"CronJob": {"name": cron["metadata"]["name"],
-                                        "schedule": cron["spec"]["schedule"],
-                                        "concurrencyPolicy": cron["spec"]["concurrencyPolicy"],
-                                        "command": container["command"] + container["args"]}}))
-                print("ConfigMap " + router["metadata"]["name"] + " (llm-d router, CPU tier "
-                      f"lruCapacityPerServer {sizing.router_lru_capacity(tpc.spec):,} computed "
-                      "from 256 KiB/token x 16 tokens):")
-                print(router["data"]["tiered-prefix-cache-plugins.yaml"])
-                # The sandbox has no storage provisioner: bind the claim as one would.
-                await kmock.patch(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/"
-                                  f"{name}-kv-cache", json={"status": {
-                                      "phase": "Bound", "capacity": {"storage": "9000Gi"}}},
-                                  headers={"Content-Type": "application/merge-patch+json"})
+        claim = await until(lambda: get("v1/persistentvolumeclaims", f"{name}-kv-cache"),
+                             "the claim")
+        cron = await until(lambda: get("batch/v1/cronjobs", f"{name}-evictor"), "CronJob")
+        router = await until(lambda: get("v1/configmaps", f"{name}-router"), "router")
+        say("2. the operator created")
+        print(dump({"PersistentVolumeClaim": {"name": claim["metadata"]["name"],
+                                              "spec": claim["spec"]}}))
+        container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"][
+            "containers"][0]
+        print(dump({"CronJob": {"name": cron["metadata"]["name"],
+                                "schedule": cron["spec"]["schedule"],
+                                "concurrencyPolicy": cron["spec"]["concurrencyPolicy"],
+                                "command": container["command"] + container["args"]}}))
+        print("ConfigMap " + router["metadata"]["name"] + " (llm-d router, CPU tier "
+              f"lruCapacityPerServer {sizing.router_lru_capacity(tpc.spec):,} computed "
+              "from 256 KiB/token x 16 tokens):")
+        print(router["data"]["tiered-prefix-cache-plugins.yaml"])
+        # The sandbox has no storage provisioner: bind the claim as one would.
+        await kmock.patch(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/"
+                          f"{name}-kv-cache", json={"status": {
+                              "phase": "Bound", "capacity": {"storage": "9000Gi"}}},
+                          headers={"Content-Type": "application/merge-patch+json"})
 
-                say("3. a vLLM pod of examples/vllm-deployment.yaml is admitted through the "
-                    f"webhook (HTTPS :{port})")
-                pod = _pod_from(deployment)
-                review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                          "request": {"uid": "demo-1", "operation": "CREATE", "namespace": NS,
-                                      "object": pod}}
-                await _until(lambda: config.caches.in_namespace(NS), "the webhook's cache view")
-                import aiohttp
-                import jsonpatch
+        say("3. a vLLM pod of examples/vllm-deployment.yaml is admitted through the "
+            f"webhook (HTTPS :{port})")
+        pod = _pod_from(deployment)
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                  "request": {"uid": "demo-1", "operation": "CREATE", "namespace": NS,
+                              "object": pod}}
+        await until(lambda: config.caches.in_namespace(NS), "the webhook's cache view")
+        import aiohttp
+        import jsonpatch
 
-                client_tls = ssl.create_default_context(cafile=str(ca))
-                async with aiohttp.ClientSession() as session:
-                    async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}", json=review,
-                                            ssl=client_tls) as resp:
-                        answer = await resp.json()
-                patch = json.loads(base64.b64decode(answer["response"]["patch"]))
-                injected = jsonpatch.apply_patch(pod, patch)
-                print(f"{len(patch)} JSONPatch operations; the pod as written vs as admitted:")
-                print("\n".join(difflib.unified_diff(
-                    dump(pod).splitlines(), dump(injected).splitlines(), "as written",
-                    "as admitted", lineterm="", n=1)))
-                injected["status"] = {"phase": "Running"}
-                kmock.objects["v1/pods", NS, injected["metadata"]["name"]] = injected
+        client_tls = ssl.create_default_context(cafile=str(ca))
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}", json=review,
+                                    ssl=client_tls) as resp:
+                answer = await resp.json()
+        patch = json.loads(base64.b64decode(answer["response"]["patch"]))
+        injected = jsonpatch.apply_patch(pod, patch)
+        print(f"{len(patch)} JSONPatch operations; the pod as written vs as admitted:")
+        print("\n".join(difflib.unified_diff(
+            dump(pod).splitlines(), dump(injected).splitlines(), "as written",
+            "as admitted", lineterm="", n=1)))
+        injected["status"] = {"phase": "Running"}
+        kmock.objects["v1/pods", NS, injected["metadata"]["name"]] = injected
 
-                say("4. KV blocks move through the kvtier backend into the shared volume")
-                volume = out / "volume"
-                moved = move_kv_blocks(volume, {"model": tpc.spec.model.name, "demo": True})
-                print(f"stored {BLOCKS} blocks of {BLOCK_BYTES >> 20} MiB at "
-                      f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
-                      f"{moved['load_gbps']:.2f} GB/s into {volume}; bit-identical: "
-                      f"{bool(moved['identical'])}")
-                print(f"(vLLM gets this tier from --kv-transfer-config {kv_transfer_json(tpc)})")
+        say("4. KV blocks move through the kvtier backend into the shared volume")
+        volume = out / "volume"
+        moved = move_kv_blocks(volume, {"model": tpc.spec.model.name, "demo": True})
+        print(f"stored {BLOCKS} blocks of {BLOCK_BYTES >> 20} MiB at "
+              f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
+              f"{moved['load_gbps']:.2f} GB/s into {volume}; bit-identical: "
+              f"{bool(moved['identical'])}")
+        print(f"(vLLM gets this tier from --kv-transfer-config {kv_transfer_json(tpc)})")
 
-                say("5. the evictor CronJob's run, against that volume")
-                capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full
-                report = EvictorRun(EvictorConfig(
-                    root=str(volume), layout=KVTIER, high_watermark=85, low_watermark=60,
-                    min_idle_seconds=600, capacity_bytes=capacity, threads=1)).execute()
-                print(f"usage {report.usage_before.percent:.1f}% -> "
-                      f"{report.usage_after.percent:.1f}% (budget {capacity:,} bytes): "
-                      f"{report.outcome}, {report.files_deleted} least-recently-used files "
-                      f"deleted, {report.bytes_freed:,} bytes freed")
-                kmock.objects["v1/pods", NS, f"{name}-evictor-1-demo"] = {
-                    "apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": f"{name}-evictor-1-demo", "namespace": NS, "labels": {
-                        "kvtier.dev/cache": name, "kvtier.dev/component": "evictor",
-                        "job-name": f"{name}-evictor-1"}},
-                    "spec": {"containers": [{"name": "evictor", "image": ctx.evictor_image}]},
-                    "status": {"phase": "Succeeded", "containerStatuses": [{
-                        "name": "evictor", "state": {"terminated": {
-                            "exitCode": 0, "finishedAt": report.finished_at,
-                            "message": report.to_json(limit=4096)}}}]}}
+        say("5. the evictor CronJob's run, against that volume")
+        capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full
+        report = EvictorRun(EvictorConfig(
+            root=str(volume), layout=KVTIER, high_watermark=85, low_watermark=60,
+            min_idle_seconds=600, capacity_bytes=capacity, threads=1)).execute()
+        print(f"usage {report.usage_before.percent:.1f}% -> "
+              f"{report.usage_after.percent:.1f}% (budget {capacity:,} bytes): "
+              f"{report.outcome}, {report.files_deleted} least-recently-used files "
+              f"deleted, {report.bytes_freed:,} bytes freed")
+        kmock.objects["v1/pods", NS, f"{name}-evictor-1-demo"] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name}-evictor-1-demo", "namespace": NS, "labels": {
+                "kvtier.dev/cache": name, "kvtier.dev/component": "evictor",
+                "job-name": f"{name}-evictor-1"}},
+            "spec": {"containers": [{"name": "evictor", "image": ctx.evictor_image}]},
+            "status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": "evictor", "state": {"terminated": {
+                    "exitCode": 0, "finishedAt": report.finished_at,
+                    "message": report.to_json(limit=4096)}}}]}}
 
-                say(f"6. kubectl get tpc {name} -o yaml (status)")
+        say(f"6. kubectl get tpc {name} -o yaml (status)")
 
-                def evicted() -> dict[str, Any] | None:
-                    b = get(sandbox.TPC, name)
-                    if b is None:
-                        raise RuntimeError(f"demo: TieredPrefixCache {NS}/{name} is gone")
-                    status = b.get("status") or {}
-                    if not (status.get("lastEviction") and status.get("injectedPods") == 1
-                            and status["conditions"][0]["status"] == "True"):
-                        return None
-                    return b
+        def evicted() -> dict[str, Any] | None:
+            b = get(sandbox.TPC, name)
+            if b is None:
+                raise RuntimeError(f"demo: TieredPrefixCache {NS}/{name} is gone")
+            status = b.get("status") or {}
+            if not (status.get("lastEviction") and status.get("injectedPods") == 1
+                    and status["conditions"][0]["status"] == "True"):
+                return None
+            return b
 
-                body = await _until(evicted, "status with the eviction report")
-                print(dump({"status": body["status"]}))
-        finally:
-            await runner.cleanup()
+        body = await until(evicted, "status with the eviction report")
+        print(dump({"status": body["status"]}))
     st = body["status"]
     say("summary")
     print(f"Ready={st['conditions'][0]['status']}, claim {st['pvc']['name']} "
@@ -261,7 +221,7 @@ def main() -> int:
         # Any other example: the operator and the webhook for its engine and workload.
         from kvtier_demo.show import show
 
-        return asyncio.run(show(Path(chosen), out, _until, _free_port, say))
+        return asyncio.run(show(Path(chosen), out))
     return asyncio.run(live(out))
 
 

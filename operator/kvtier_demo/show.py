@@ -18,10 +18,10 @@ from typing import Any
 
 import yaml
 
+from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_demo.samples import sample_workload
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.yamlio import dump
 
 
@@ -49,15 +49,12 @@ def workload_pods(workload: dict[str, Any], namespace: str) -> list[dict[str, An
     return pods
 
 
-async def show(example: Path, out: Path, until: Any, free_port: Any, say: Any) -> int:
+async def show(example: Path, out: Path) -> int:
     import aiohttp
     import jsonpatch
-    from kmock import KubernetesEmulator, Server
 
     from kvtier_demo import sandbox
-    from kvtier_demo.certs import make_certs
-    from kvtier_operator.handlers import OperatorConfig
-    from kvtier_operator.webhook import MUTATE_PATH, make_app, serve, tls_context
+    from kvtier_operator.webhook import MUTATE_PATH
 
     doc = yaml.safe_load(example.read_text())
     tpc = parse_tpc(doc)
@@ -65,80 +62,67 @@ async def show(example: Path, out: Path, until: Any, free_port: Any, say: Any) -
     adapter = adapter_for(tpc.spec)
     workload_file = example.parent / sample_workload(doc)
     workload = yaml.safe_load(workload_file.read_text())
-    ctx = RenderContext()
-    config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2)
-    out.mkdir(parents=True, exist_ok=True)
-    ca = make_certs(out / "webhook-certs")
-    certs = out / "webhook-certs"
-    port = free_port()
-    tls = tls_context(str(certs / "tls.crt"), str(certs / "tls.key"))
-    async with KubernetesEmulator() as kmock, Server(kmock):
-        sandbox.setup(kmock)
-        runner = await serve(make_app(config.caches, config.conflicts, ctx), "127.0.0.1", port,
-                             tls)
-        try:
-            async with sandbox.operator(kmock, ctx, config=config):
-                say(f"1. kubectl apply -f {example.name}")
-                print(f"TieredPrefixCache {ns}/{name}: {adapter.title}")
-                for need in adapter.prerequisites(tpc):
-                    # Stand-ins for what the user deploys (e.g. the mooncake master).
-                    print(f"(prerequisite {need.kind} {need.namespace}/{need.name}, named by "
-                          f"{need.field}, created here as the user would)")
-                    stand_in: dict[str, Any] = {
-                        "apiVersion": "v1", "kind": need.kind,
-                        "metadata": {"name": need.name, "namespace": need.namespace}}
-                    if need.key:
-                        stand_in["data"] = {need.key: "{}"}
-                    resource = "v1/configmaps" if need.kind == "ConfigMap" else "v1/services"
-                    kmock.objects[resource, need.namespace, need.name] = stand_in
-                doc["metadata"].update(uid="demo-uid-1", generation=1)
-                kmock.objects[sandbox.TPC, ns, name] = doc
+    async with live_cluster(out) as cluster:
+        kmock, config, ca, port = cluster.kmock, cluster.config, cluster.ca, cluster.port
+        say(f"1. kubectl apply -f {example.name}")
+        print(f"TieredPrefixCache {ns}/{name}: {adapter.title}")
+        for need in adapter.prerequisites(tpc):
+            # Stand-ins for what the user deploys (e.g. the mooncake master).
+            print(f"(prerequisite {need.kind} {need.namespace}/{need.name}, named by "
+                  f"{need.field}, created here as the user would)")
+            stand_in: dict[str, Any] = {
+                "apiVersion": "v1", "kind": need.kind,
+                "metadata": {"name": need.name, "namespace": need.namespace}}
+            if need.key:
+                stand_in["data"] = {need.key: "{}"}
+            resource = "v1/configmaps" if need.kind == "ConfigMap" else "v1/services"
+            kmock.objects[resource, need.namespace, need.name] = stand_in
+        doc["metadata"].update(uid="demo-uid-1", generation=1)
+        kmock.objects[sandbox.TPC, ns, name] = doc
 
-                def status() -> dict[str, Any] | None:
-                    body = sandbox.stored(kmock, sandbox.TPC, ns, name) or {}
-                    return body.get("status") or None
+        def status() -> dict[str, Any] | None:
+            body = sandbox.stored(kmock, sandbox.TPC, ns, name) or {}
+            return body.get("status") or None
 
-                await until(status, "the status")
-                say("2. the operator created")
-                for resource in ("v1/persistentvolumeclaims", "batch/v1/cronjobs",
-                                 "v1/configmaps"):
-                    for suffix in ("kv-cache", "evictor", "router"):
-                        obj = sandbox.stored(kmock, resource, ns, f"{name}-{suffix}")
-                        if obj is not None:
-                            print(dump({obj["kind"]: {"name": obj["metadata"]["name"],
-                                                      **({"data": obj["data"]} if "data" in obj
-                                                         else {"spec": obj["spec"]})}}))
-                if adapter.evictor_layout(tpc.spec) is None:
-                    print("(no evictor CronJob: no shared tier kvtier manages, or the engine "
-                          "evicts on its own)")
-                await until(lambda: config.caches.in_namespace(ns), "the webhook's cache view")
-                client_tls = ssl.create_default_context(cafile=str(ca))
-                for i, pod in enumerate(workload_pods(workload, ns)):
-                    say(f"3.{i + 1} pod {pod['metadata']['name']} of {workload_file.name} "
-                        f"admitted through the webhook (HTTPS :{port})")
-                    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                              "request": {"uid": f"demo-{i}", "operation": "CREATE",
-                                          "namespace": ns, "object": pod}}
-                    async with aiohttp.ClientSession() as session:
-                        async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}",
-                                                json=review, ssl=client_tls) as resp:
-                            answer = (await resp.json())["response"]
-                    for warning in answer.get("warnings") or []:
-                        print(f"warning: {warning}")
-                    patch = json.loads(base64.b64decode(answer.get("patch") or b"W10="))
-                    injected = jsonpatch.apply_patch(pod, patch)
-                    print("\n".join(difflib.unified_diff(
-                        dump(pod).splitlines(), dump(injected).splitlines(), "as written",
-                        "as admitted", lineterm="", n=1)))
-                    injected["status"] = {"phase": "Running"}
-                    kmock.objects["v1/pods", ns, injected["metadata"]["name"]] = injected
-                pods = len(workload_pods(workload, ns))
-                body = await until(lambda: (s := status()) and s.get("injectedPods") == pods
-                                   and s, "the pods counted")
-                say(f"4. kubectl get tpc {name} -o yaml (status)")
-                print(dump({"status": body}))
-        finally:
-            await runner.cleanup()
+        await until(status, "the status")
+        say("2. the operator created")
+        for resource in ("v1/persistentvolumeclaims", "batch/v1/cronjobs",
+                         "v1/configmaps"):
+            for suffix in ("kv-cache", "evictor", "router"):
+                obj = sandbox.stored(kmock, resource, ns, f"{name}-{suffix}")
+                if obj is not None:
+                    print(dump({obj["kind"]: {"name": obj["metadata"]["name"],
+                                              **({"data": obj["data"]} if "data" in obj
+                                                 else {"spec": obj["spec"]})}}))
+        if adapter.evictor_layout(tpc.spec) is None:
+            print("(no evictor CronJob: no shared tier kvtier manages, or the engine "
+                  "evicts on its own)")
+        await until(lambda: config.caches.in_namespace(ns), "the webhook's cache view")
+        client_tls = ssl.create_default_context(cafile=str(ca))
+        for i, pod in enumerate(workload_pods(workload, ns)):
+            say(f"3.{i + 1} pod {pod['metadata']['name']} of {workload_file.name} "
+                f"admitted through the webhook (HTTPS :{port})")
+            review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                      "request": {"uid": f"demo-{i}", "operation": "CREATE",
+                                  "namespace": ns, "object": pod}}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"https://127.0.0.1:{port}{MUTATE_PATH}",
+                                        json=review, ssl=client_tls) as resp:
+                    answer = (await resp.json())["response"]
+            for warning in answer.get("warnings") or []:
+                print(f"warning: {warning}")
+            patch = json.loads(base64.b64decode(answer.get("patch") or b"W10="))
+            injected = jsonpatch.apply_patch(pod, patch)
+            print("\n".join(difflib.unified_diff(
+                dump(pod).splitlines(), dump(injected).splitlines(), "as written",
+                "as admitted", lineterm="", n=1)))
+            injected["status"] = {"phase": "Running"}
+            kmock.objects["v1/pods", ns, injected["metadata"]["name"]] = injected
+        pods = len(workload_pods(workload, ns))
+        body = await until(lambda: (s := status()) and s.get("injectedPods") == pods
+                           and s, "the pods counted")
+        say(f"4. kubectl get tpc {name} -o yaml (status)")
+        print(dump({"status": body}))
     ready = next(c for c in body["conditions"] if c["type"] == "Ready")
     say("summary")
     print(f"Ready={ready['status']} ({ready['reason']}), {body['injectedPods']} pod(s) "
