@@ -14,7 +14,7 @@
 #include <Python.h>
 
 #define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "third_party/xxhash/xxhash.h"
 
 #include "xxh3_dispatch.h"
 

@@ -5,7 +5,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2")
 #define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "third_party/xxhash/xxhash.h"
 
 static uint64_t hash(const void *data, size_t len)
 {

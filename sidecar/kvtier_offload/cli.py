@@ -11,8 +11,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
 # What must import for the backend to work inside vLLM (vllm_tier itself needs vLLM,
-# which the init container's image does not have).
-CHECK_IMPORTS = "import kvtier_offload.store, kvtier_offload.layout, kvtier_offload.fileformat"
+# which the init container's image does not have), and a block digest it can verify with:
+# without one the store would refuse to start inside vLLM, so the init container fails
+# first, with the reason in its log.
+CHECK_IMPORTS = (
+    "import sys, kvtier_offload.store, kvtier_offload.layout, kvtier_offload.fileformat\n"
+    "from kvtier_offload import digest\n"
+    "digest.AVAILABLE or sys.exit('no block digest: ' + digest.REASON)")
 NATIVE = "_native.abi3.so"  # the C extension (stable ABI: any CPython >= 3.11)
 # ELF e_machine of the platforms the image carries the extension for
 ELF_MACHINES = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183}
@@ -73,7 +78,7 @@ def install(target: str) -> int:
     check = subprocess.run([sys.executable, "-c", CHECK_IMPORTS], env=env, cwd="/",
                            capture_output=True, text=True, check=False)
     if check.returncode != 0:
-        print(f"kvtier_offload installed to {final} but does not import:\n{check.stderr}",
+        print(f"kvtier_offload installed to {final} but cannot run:\n{check.stderr}",
               file=sys.stderr)
         return 1
     print(f"kvtier_offload installed to {final}")

@@ -4,12 +4,13 @@ verify a block (`tail -c +4097 FILE | xxhsum -H3`, python-xxhash's `xxh3_64`).
 Computed by, in this order:
 - the C extension (kvtier_offload._native, xxHash compiled in), GIL released for large
   buffers; the batch path hashes inside the extension itself;
-- python-xxhash, where the extension is not importable and python-xxhash is (it is not a
-  dependency of the backend: a vLLM image must not gain packages; many have it anyway);
-- nothing: AVAILABLE is False and REASON says why. The store then refuses every block (a
-  miss, vLLM recomputes) with one log line, rather than hashing in pure Python: at a few
-  MB/s that would be slower than recomputing the KV, and an unverified block is never
-  served.
+- python-xxhash (the Python path's declared dependency, `kvtier[offload]`), where the
+  extension is not importable: a machine without a compiler, a platform the image has no
+  build for;
+- nothing: AVAILABLE is False and REASON says why. The block store then refuses to start
+  (store.NoDigest; `python -m kvtier_offload install` fails the init container first),
+  rather than hashing in pure Python, which at a few MB/s would be slower than
+  recomputing the KV, or serving every block as a miss without a word.
 
 Not cryptographic: it guards against accidents (torn writes, bit rot, stale pages, foreign
 files), not against someone who can write the volume, who could write any bytes anyway.

@@ -54,7 +54,8 @@ DEFINITIONS = {d.name: d for d in (
     Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", ("error",)),
     Definition("Gauge", "kvtier_offload_native",
                "1 where the block store runs its C extension, 0 on the Python path; reason: "
-               "ok, turned-off, not-built, wrong-build, batch-io-off or no-digest",
+               "ok, turned-off, not-built, wrong-build, batch-io-off, or no-digest (the store "
+               "refused to start)",
                ("reason",)),
     Definition("Gauge", "kvtier_offload_queue_depth",
                "Block operations submitted and not yet finished", ("direction",)),

@@ -16,6 +16,8 @@ of an empty directory). kvtier itself never makes symlinks, so refusing them cos
 but a recompute where someone linked a copy in by hand; following them would let any
 writer on the volume make vLLM open any file or device the pod can reach.
 Keys outside the layout's bounds (layout.key_fits) are refused: a miss, a failed block.
+A store never starts without a digest to verify blocks with (NoDigest): a backend that
+quietly missed every block would cost every request a recompute and say nothing.
 Waiting on the I/O threads (drain, close) is bounded: a thread stuck in the kernel on a
 hung mount costs the caller at most the timeout, never the engine.
 """
@@ -50,7 +52,8 @@ from kvtier_offload.metrics import Metrics, observe_all
 from kvtier_offload.probes import file_seconds, probe_o_direct
 
 __all__ = ["BATCH_BYTES", "MEMORY_SPEED_SECONDS", "PIECE", "WAIT_SECONDS", "BlockStore",
-           "JobOutcome", "StoreConfig", "hot_path", "probe_memory_speed", "probe_o_direct"]
+           "JobOutcome", "NoDigest", "StoreConfig", "hot_path", "probe_memory_speed",
+           "probe_o_direct"]
 
 log = logging.getLogger("kvtier_offload")
 
@@ -73,6 +76,11 @@ def probe_memory_speed(directory: str, o_direct: bool) -> bool:
     the volume cannot tell (read-only, full): every thread is kept."""
     seconds = file_seconds(directory, o_direct)
     return seconds is not None and seconds < MEMORY_SPEED_SECONDS
+
+
+class NoDigest(RuntimeError):
+    """Neither the C extension nor python-xxhash loads: no block could be verified, so the
+    store does not start (vLLM then fails at start, the reason in its log)."""
 
 
 def hot_path(batch_io: bool) -> tuple[str, str]:
@@ -135,6 +143,14 @@ class BlockStore:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
         self.metrics = metrics or Metrics()
+        if not payload_digest.AVAILABLE:
+            self.metrics.native.labels("no-digest").set(0)
+            message = (f"kvtier block store cannot start: no XXH3-64 digest to verify blocks "
+                       f"with ({payload_digest.REASON}). Use the kvtier-offload image's C "
+                       "extension for this platform, or install python-xxhash into the model "
+                       "server's image")
+            log.error("%s", message)
+            raise NoDigest(message)
         try:
             self.layout.ensure_dir(self.layout.base)
         except OSError as err:
@@ -242,13 +258,7 @@ class BlockStore:
         return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
 
     def _refused(self, key: object, direction: str) -> bool:
-        """Whether key is outside the layout (layout.key_fits), or this process has no
-        digest to write or verify a block with: counted, logged once."""
-        if not payload_digest.AVAILABLE:
-            self.metrics.operations.labels(direction, "no-digest").inc()
-            self._log_once("no-digest", "kvtier has no block digest (%s); every block is a "
-                           "miss, vLLM recomputes", payload_digest.REASON)
-            return True
+        """Whether key is outside the layout (layout.key_fits): counted, logged once."""
         if key_fits(key):
             return False
         self.metrics.operations.labels(direction, "bad-key").inc()

@@ -73,3 +73,24 @@ def test_install_refuses_an_extension_of_another_platform_and_falls_back(tmp_pat
     assert f"refusing its C extension (it is built for ELF machine {other}" in err
     assert "Python path" in err
     assert not (tmp_path / "site" / "kvtier_offload" / "_native.abi3.so").exists()
+
+
+def test_install_fails_the_init_container_where_no_digest_can_load(tmp_path, capsys,
+                                                                  monkeypatch):
+    # No extension in the image and no python-xxhash where the backend runs: the init
+    # container fails, naming why, instead of a backend that misses every block.
+    import shutil
+
+    from kvtier_offload import cli
+
+    package = tmp_path / "src" / "kvtier_offload"
+    shutil.copytree(cli.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    monkeypatch.setattr(cli, "PACKAGE", package)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "xxhash.py").write_text("raise ImportError('no python-xxhash in this image')\n")
+    assert main(["install", "--target", str(site)]) == 1
+    err = capsys.readouterr().err
+    assert "but cannot run" in err
+    assert "no block digest: the C extension does not import" in err
+    assert "python-xxhash is not installed" in err

@@ -123,49 +123,41 @@ from kvtier_offload import digest, native
 
 
 def test_without_the_extension_python_xxhash_computes_the_same_digests(tmp_path):
-    # A stand-in python-xxhash (the real one where installed) behind the Python path.
-    code = _python_only("""
-try:
-    import xxhash
-except ImportError:
-    import ctypes, types
-    lib = ctypes.CDLL("libxxhash.so.0")  # Debian libxxhash0, beside xxhsum
-    lib.XXH3_64bits.restype = ctypes.c_uint64
-    lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    xxhash = types.ModuleType("xxhash")
-    xxhash.xxh3_64_intdigest = lambda b: lib.XXH3_64bits(bytes(b), len(b))
-    sys.modules["xxhash"] = xxhash
-""") + """
+    # python-xxhash is the Python path's declared dependency (kvtier[offload]).
+    code = _python_only() + """
 assert not native.AVAILABLE and digest.BACKEND == "xxhash", digest.BACKEND
 print(*(digest.digest(bytes(range(256)) * n) for n in (0, 1, 100, 5000)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if "libxxhash.so.0" in out.stderr:
-        pytest.skip("neither python-xxhash nor libxxhash here")
     assert out.returncode == 0, out.stderr
     here = [digest(bytes(range(256)) * n) for n in (0, 1, 100, 5000)]
     assert [int(x) for x in out.stdout.split()] == here
 
 
-def test_without_any_digest_every_block_is_a_miss_not_a_crash(tmp_path):
-    # Neither the extension nor python-xxhash: the store starts, says why once, refuses
-    # every block (lookups miss, stores and loads fail), and vLLM recomputes.
+def test_without_any_digest_the_store_refuses_to_start_and_says_why(tmp_path):
+    # Neither the extension nor python-xxhash: no silent "every block is a miss". The store
+    # raises NoDigest (vLLM fails at start), logs the reason, and its gauge says no-digest.
     code = _python_only('sys.modules["xxhash"] = None') + f"""
+import logging
+logging.basicConfig(level=logging.INFO)
 assert not digest.AVAILABLE
-from kvtier_offload.store import BlockStore, StoreConfig
-store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"))
-data = memoryview(bytearray(4096))
-assert store.lookup_now([b"k" * 36]) == [False]
-store.store(1, [(b"k" * 36, data)])
-store.load(2, [(b"k" * 36, data)])
-assert store.drain(30)
-print(sorted(o.success for o in store.finished()))
-store.close()
+from kvtier_offload.metrics import Metrics
+from kvtier_offload.store import BlockStore, NoDigest, StoreConfig
+metrics = Metrics()
+try:
+    BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint="00112233aabbccdd"), metrics)
+except NoDigest as err:
+    print("refused:", err)
+else:
+    raise SystemExit("the store started without a digest")
+import prometheus_client
+print(prometheus_client.generate_latest().decode())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[False,", "False]"]
-    assert "Python path, digest by none" in out.stderr
-    assert out.stderr.count("kvtier has no block digest") == 1
+    assert "refused: kvtier block store cannot start: no XXH3-64 digest" in out.stdout
+    assert "python-xxhash is not installed" in out.stdout
+    assert "ERROR:kvtier_offload:kvtier block store cannot start" in out.stderr
+    assert 'kvtier_offload_native{reason="no-digest"} 0.0' in out.stdout
     assert not any(name.endswith(".kvb") for _, _, names in os.walk(tmp_path)
                    for name in names)
