@@ -28,6 +28,7 @@ def test_make_demo_runs_the_whole_system(tmp_path):
     assert "+      sizeLimit: 120Gi" in out and "--kv-transfer-config" in out
     # real blocks moved and came back intact; the evictor freed by LRU
     assert "bit-identical: True" in out
+    assert "on the C extension;" in out  # make test builds it: the demo's hot path is C
     assert "usage 90.0% -> " in out and ": freed, " in out
     # and the status tells the truth about all of it
     assert ("Ready=True, claim qwen3-tiered-kv-cache Bound, 1 pod injected, 0 pending, "
