@@ -86,11 +86,14 @@ def test_install_fails_the_init_container_where_no_digest_can_load(tmp_path, cap
     package = tmp_path / "src" / "kvtier_offload"
     shutil.copytree(cli.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     monkeypatch.setattr(cli, "PACKAGE", package)
+    # The dev install's editable finder would still find the extension by name beside the
+    # source tree: turn it off the way an operator can.
+    monkeypatch.setenv("KVTIER_OFFLOAD_NATIVE", "0")
     site = tmp_path / "site"
     site.mkdir()
     (site / "xxhash.py").write_text("raise ImportError('no python-xxhash in this image')\n")
     assert main(["install", "--target", str(site)]) == 1
     err = capsys.readouterr().err
     assert "but cannot run" in err
-    assert "no block digest: the C extension does not import" in err
+    assert "no block digest: KVTIER_OFFLOAD_NATIVE=0" in err
     assert "python-xxhash is not installed" in err

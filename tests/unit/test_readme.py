@@ -25,25 +25,30 @@ class Block:
     commands: tuple[str, ...]
 
 
+def _paragraph_above(lines: list[str], i: int) -> str:
+    j = i - 1
+    while j >= 0 and not lines[j].strip():
+        j -= 1
+    above: list[str] = []
+    while j >= 0 and lines[j].strip() and not lines[j].startswith("    "):
+        above.insert(0, lines[j].strip())
+        j -= 1
+    return " ".join(above)
+
+
 def code_blocks(text: str) -> list[Block]:
     """The README's indented code blocks, each command without its trailing comment."""
-    blocks, paragraph, lines = [], [], text.splitlines()
-    i = 0
+    blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
-        line = lines[i]
-        if line.startswith("    ") and (i == 0 or not lines[i - 1].strip()):
-            body = []
+        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+            intro, body = _paragraph_above(lines, i), []
             while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
                 body.append(lines[i])
                 i += 1
             commands = tuple(c for c in (re.sub(r"\s+#.*$", "", b).strip() for b in body) if c)
-            blocks.append(Block(" ".join(paragraph), commands))
-            paragraph = []
-            continue
-        paragraph = [line] if not paragraph or not line.strip() else [*paragraph, line]
-        if not line.strip():
-            paragraph = []
-        i += 1
+            blocks.append(Block(intro, commands))
+        else:
+            i += 1
     return blocks
 
 
