@@ -121,6 +121,27 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 1 if result.failures else 0
 
 
+def cmd_sweep_shm(args: argparse.Namespace) -> int:
+    """Sweep vLLM's stale CPU-tier regions, then exec the engine's command, if given. A
+    sweep that fails never stops the engine: it says why and starts it anyway."""
+    from kvtier_offload.shm_sweep import sweep
+
+    try:
+        report = sweep(args.dir)
+        print(f"kvtier_offload sweep-shm {args.dir}: {report.summary()}", file=sys.stderr,
+              flush=True)
+    except OSError as err:
+        print(f"kvtier_offload sweep-shm {args.dir}: not swept ({err})", file=sys.stderr)
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        return 0
+    try:
+        os.execvp(command[0], command)
+    except OSError as err:
+        print(f"kvtier_offload sweep-shm: cannot run {command[0]!r}: {err}", file=sys.stderr)
+        return 127
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier_offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,7 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds (kvtier and, with --vllm, vLLM each first in turn)")
     pr.add_argument("--kv-bytes-per-token", type=int, default=0)
     pr.add_argument("--prefill-tokens-per-second", type=float, default=10_000.0)
+    sw = sub.add_parser("sweep-shm", help="remove vLLM CPU-tier regions no live process "
+                        "uses from /dev/shm, then exec the command after --, if any")
+    sw.add_argument("--dir", default="/dev/shm")
+    sw.add_argument("command_line", nargs=argparse.REMAINDER,
+                    help="-- COMMAND ARGS...: run after the sweep (exec, same process)")
     args = parser.parse_args(argv)
     if args.command == "install":
         return install(args.target)
+    if args.command == "sweep-shm":
+        return cmd_sweep_shm(args)
     return cmd_probe(args)
