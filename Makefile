@@ -21,9 +21,9 @@ $(BIN)/python:
 # the backend runs its Python path on python-xxhash), and `make test` insists on it.
 NATIVE_SRC := sidecar/csrc/kvtier_native.c sidecar/csrc/xxh3_avx2.c sidecar/csrc/xxh3_dispatch.h \
   sidecar/csrc/third_party/xxhash/xxhash.h
-# setuptools >= 74.1 reads the extension from pyproject.toml (a venv may carry an older one,
-# or none).
-BUILD_NATIVE := $(PIP) 'setuptools>=74.1' && \
+# setuptools >= 77 reads the extension and the licence files from pyproject.toml (a venv
+# may carry an older one, or none).
+BUILD_NATIVE := $(PIP) 'setuptools>=77' && \
   $(BIN)/python -c "from setuptools import setup; setup()" -q build_ext --inplace
 NATIVE_OK := $(BIN)/python -c "import kvtier_offload._native"
 
