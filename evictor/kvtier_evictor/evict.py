@@ -103,6 +103,8 @@ class Run:
         except LockHeld as err:
             self._error(str(err))
             self.report.outcome = ERROR
+            if err.held_seconds is not None:
+                self.report.lock_held_seconds = round(err.held_seconds, 1)
         except OSError as err:
             self._error(f"{err.filename or self.cfg.root}: {err.strerror or err}")
             self.report.outcome = ERROR

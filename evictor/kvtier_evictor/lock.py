@@ -10,6 +10,12 @@ found it stale, one rename wins) and the file moved is checked to be the very on
 stale (inode and mtime). A run that moved a fresh lock instead (another run took over in
 between) puts it back and gives up. The holder checks on each refresh that the lock at
 the path is still its own, and stops (LockLost) where it is not.
+
+Anyone who can write the volume can leave a file at the lock's name, so a lock counts as
+held only while it is fresh by a clock that can be believed: an mtime more than
+CLOCK_SKEW_SECONDS in the future is stale (`touch -d 2076-01-01` would otherwise stop
+eviction for good), and so is a file older than MALFORMED_GRACE_SECONDS whose body is not
+an evictor's (a run writes its body right after creating the file).
 """
 
 from __future__ import annotations
@@ -21,10 +27,16 @@ import socket
 import time
 
 LOCK_NAME = ".kvtier-evictor.lock"
+CLOCK_SKEW_SECONDS = 60.0  # nodes' clocks may differ this much; a later mtime is forged
+MALFORMED_GRACE_SECONDS = 10.0  # a new lock's body is written right after its creation
+BODY_LIMIT = 4096
+BODY_KEYS = frozenset({"pid", "host", "since", "token"})
 
 
 class LockHeld(RuntimeError):
-    pass
+    def __init__(self, message: str, held_seconds: float | None = None) -> None:
+        super().__init__(message)
+        self.held_seconds = held_seconds  # since the holder last refreshed, where known
 
 
 class LockLost(LockHeld):
@@ -54,11 +66,11 @@ class VolumeLock:
                 except FileNotFoundError:
                     continue  # released meanwhile: try again
                 age = time.time() - st.st_mtime
-                if age < self.stale_seconds:
+                if not self._stale(age):
                     raise LockHeld(
                         f"another evictor run holds {self.path} (refreshed {age:.0f}s ago); "
-                        f"it is taken over after {self.stale_seconds:.0f}s"
-                    ) from None
+                        f"it is taken over after {self.stale_seconds:.0f}s",
+                        held_seconds=age) from None
                 self._take_over(st)
                 continue
             try:
@@ -69,6 +81,12 @@ class VolumeLock:
             self._held = True
             return
         raise LockHeld(f"could not take {self.path}")
+
+    def _stale(self, age: float) -> bool:
+        """Whether a lock refreshed age seconds ago may be taken over."""
+        if age >= self.stale_seconds or age < -CLOCK_SKEW_SECONDS:
+            return True
+        return age >= MALFORMED_GRACE_SECONDS and not _an_evictors(self.path)
 
     def _take_over(self, stale: os.stat_result) -> None:
         """Remove the stale lock judged by `stale`, and nothing else."""
@@ -130,3 +148,23 @@ class VolumeLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _an_evictors(path: str) -> bool:
+    """Whether the file at path holds an evictor run's lock body (bounded read, no
+    symlink followed, never blocking on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True  # gone or unreadable: judged by its age alone
+    try:
+        body = os.read(fd, BODY_LIMIT + 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(body) if len(body) <= BODY_LIMIT else None
+    except ValueError:
+        return False
+    return isinstance(data, dict) and BODY_KEYS <= data.keys()

@@ -76,6 +76,9 @@ class EvictionReport:
     scan_seconds: float = 0.0
     errors: int = 0
     error_messages: list[str] = field(default_factory=list)
+    # Where another run's lock stopped this one: seconds since that lock was refreshed
+    # (the operator tells a lock held across runs from one run overlapping another).
+    lock_held_seconds: float | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -262,6 +262,46 @@ def test_lock_blocks_a_second_run_and_stale_lock_is_taken_over(tmp_path):
     assert not lock.exists()  # released after the run
 
 
+GOOD_BODY = '{"pid": 1, "host": "evictor-0", "since": 0, "token": "ab"}'
+
+
+@pytest.mark.parametrize(("body", "age", "held"), [
+    (GOOD_BODY, -30, True),  # a node's clock a little ahead: still held
+    (GOOD_BODY, -86400 * 365 * 50, False),  # touch -d 2076: forged, taken over
+    (GOOD_BODY, -61, False),
+    ("", 5, True),  # a run that just created it and is writing its body
+    ("", 30, False),  # nobody's lock: an empty file left at the name
+    ("not json", 30, False),
+    ('{"pid": 1}', 30, False),
+    ("x" * 5000, 30, False),
+    (GOOD_BODY, 30, True),
+    (GOOD_BODY, 7200, False),  # not refreshed for longer than the stale timeout
+])
+def test_only_a_believable_lock_stops_a_run(tmp_path, body, age, held):
+    lru_tree(tmp_path)
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(body)
+    when = time.time() - age
+    os.utime(lock, (when, when))
+    report = make_run(tmp_path, capacity=11 * U).execute()
+    if held:
+        assert report.outcome == ERROR and "another evictor run holds" in report.error_messages[0]
+        assert report.lock_held_seconds == pytest.approx(age, abs=2)
+        assert lock.exists()
+    else:
+        assert report.outcome == FREED and report.lock_held_seconds is None
+        assert not lock.exists()  # taken over, then released after the run
+
+
+def test_a_lock_at_a_fifo_never_hangs_the_run(tmp_path):
+    lru_tree(tmp_path)
+    os.mkfifo(tmp_path / LOCK_NAME)
+    when = time.time() - 30
+    os.utime(tmp_path / LOCK_NAME, (when, when))
+    report = make_run(tmp_path, capacity=11 * U).execute()
+    assert report.outcome == FREED
+
+
 def test_a_directory_the_run_empties_goes_in_the_same_run_if_it_was_old_before(tmp_path):
     files = lru_tree(tmp_path)
     young = files[-1].parent  # a writer created or removed a name here just now
