@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel scanners and deleters; 0 (default) times the first "
                    "directories and uses 16 on a slow (network) filesystem, else 1")
     p.add_argument("--lock-stale-seconds", type=float, default=3600.0)
+    p.add_argument("--max-candidates", type=int, default=500_000,
+                   help="LRU candidates held at once (about 350 bytes each); a run that "
+                   "must free more frees in passes, scanning again for each")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     p.add_argument("--termination-log", default=None,
                    help="also write the JSON summary here (Kubernetes: /dev/termination-log)")
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         min_idle_seconds=args.min_idle_seconds, temp_guard_seconds=args.temp_guard_seconds,
         dir_guard_seconds=args.dir_guard_seconds, capacity_bytes=args.capacity_bytes,
         threads=args.threads, dry_run=args.dry_run, lock_stale_seconds=args.lock_stale_seconds,
+        max_candidates=max(args.max_candidates, 1),
     )
     if not os.path.isdir(args.root):
         report = EvictionReport(outcome=ERROR, layout=args.layout, errors=1,

@@ -49,6 +49,11 @@ class Config:
     dry_run: bool = False
     lock_stale_seconds: float = 3600
     progress_seconds: float = 10
+    # The most LRU candidates held at once (about 350 bytes each: 500k is ~170 MiB, within
+    # the CronJob's 512Mi with the scan's other state); a run that must free more frees in
+    # passes, scanning again for each, so its memory never grows with the tree.
+    max_candidates: int = 500_000
+    max_passes: int = 64
 
 
 def _iso(ts: float) -> str:
@@ -136,29 +141,18 @@ class Run:
         want_bytes, want_inodes = to_free(before, cfg.low_watermark, cfg.inode_low_watermark)
         log.info("usage %.1f%% bytes, %.1f%% inodes: freeing %d bytes and %d files",
                  before.percent, before.inode_percent, want_bytes, want_inodes)
-        selection = LruSelection(want_bytes, want_inodes)
-        scan_started = time.perf_counter()
-        totals = scan(cfg.root, cfg.layout, self._rules(), selection, cfg.threads)
-        self.report.scan_seconds = round(time.perf_counter() - scan_started, 3)
-        self.report.threads = totals.threads
-        self.report.files_scanned = totals.files
-        self.report.skipped_recent = totals.skipped_recent
-        for message in totals.errors:
-            self._error(message)
-        log.info("scanned %d block files with %d thread(s) in %.1fs; %d used within "
-                 "minIdle; %d candidates; %d stale temp files", totals.files, totals.threads,
-                 self.report.scan_seconds, totals.skipped_recent, len(selection),
-                 len(totals.stale_temps))
-        self._tally = DirTally(totals.directories)
-        with Root(cfg.root) as root:  # every deletion goes through directory fds below it
-            self._root = root
-            try:
-                self._reap_temps(totals.stale_temps)
-                self._remove_dirs(totals.empty_dirs)
-                self._free(selection.oldest_first(), lock, totals.threads, want_bytes,
-                           want_inodes)
-            finally:
-                self._root = None
+        for n in range(1, cfg.max_passes + 1):
+            capped = self._pass(lock, want_bytes, want_inodes, first=n == 1)
+            self.report.passes = n
+            if not capped or cfg.dry_run:
+                break
+            usage = self.usage()
+            if not self._over_low(usage):
+                break
+            want_bytes, want_inodes = to_free(usage, cfg.low_watermark,
+                                              cfg.inode_low_watermark)
+            log.info("pass %d held its %d candidates and usage is %.1f%%: scanning again",
+                     n, cfg.max_candidates, usage.percent)
         after = self.usage()
         self.report.usage_after = after
         if self.report.errors and not (self.report.files_deleted or
@@ -173,6 +167,47 @@ class Run:
                  "%.1f%% inodes", self.report.files_deleted, self.report.files_minimum,
                  self.report.temp_files_reaped, self.report.dirs_removed,
                  self.report.bytes_freed, after.percent, after.inode_percent)
+
+    def _pass(self, lock: VolumeLock, want_bytes: int, want_inodes: int,
+              first: bool) -> bool:
+        """Scan once and free the oldest files toward the target; True where the
+        candidate bound dropped files the target still needed (another pass can go on)."""
+        cfg = self.cfg
+        selection = LruSelection(want_bytes, want_inodes, cfg.max_candidates)
+        scan_started = time.perf_counter()
+        totals = scan(cfg.root, cfg.layout, self._rules(), selection, cfg.threads)
+        self.report.scan_seconds = round(self.report.scan_seconds
+                                         + time.perf_counter() - scan_started, 3)
+        self.report.threads = totals.threads
+        if first:  # what the tree held: the first scan's view, before any deletion
+            self.report.files_scanned = totals.files
+            self.report.skipped_recent = totals.skipped_recent
+        for message in totals.errors:
+            self._error(message)
+        log.info("scanned %d block files with %d thread(s) in %.1fs; %d used within "
+                 "minIdle; %d candidates; %d stale temp files", totals.files, totals.threads,
+                 self.report.scan_seconds, totals.skipped_recent, len(selection),
+                 len(totals.stale_temps))
+        self._tally = DirTally(totals.directories)
+        report = self.report
+        before = (report.bytes_freed, report.dir_bytes_freed, report.temp_files_reaped,
+                  report.dirs_removed)
+        with Root(cfg.root) as root:  # every deletion goes through directory fds below it
+            self._root = root
+            try:
+                self._reap_temps(totals.stale_temps)
+                self._remove_dirs(totals.empty_dirs)
+                # what reaping temp files and empty directories freed in this pass
+                want_bytes -= report.bytes_freed - before[0]
+                if cfg.capacity_bytes is not None:  # a budget counts the cache's files only
+                    want_bytes += report.dir_bytes_freed - before[1]
+                want_inodes -= (report.temp_files_reaped - before[2]
+                                + report.dirs_removed - before[3])
+                self._free(selection.oldest_first(), lock, totals.threads, want_bytes,
+                           want_inodes)
+            finally:
+                self._root = None
+        return selection.capped
 
     # ----------------------------------------------------------- actions
     # Everything is deleted relative to directories opened below the root without
@@ -302,7 +337,7 @@ class Run:
 
     def _free(self, oldest_first: list[Candidate], lock: VolumeLock, threads: int,
               want_bytes: int, want_inodes: int) -> None:
-        """Delete the fewest of the oldest files that reach the target (what the run set
+        """Delete the fewest of the oldest files that reach the target (what the pass set
         out to free, less what reaping temp files and empty directories freed), counting
         the directories they empty; where the volume is still above a low watermark after
         that (files used again since the scan were kept, writers kept writing), the next
@@ -310,10 +345,8 @@ class Run:
         cfg = self.cfg
         report = self.report
         dir_bytes = cfg.capacity_bytes is None  # a budget counts the cache's files only
-        want_bytes -= report.bytes_freed - (0 if dir_bytes else report.dir_bytes_freed)
-        want_inodes -= report.temp_files_reaped + report.dirs_removed
         n = self._tally.fewest(oldest_first, want_bytes, want_inodes, dir_bytes)
-        report.files_minimum = n
+        report.files_minimum += n
         rest = oldest_first
         while n:
             self._delete(rest[:n], lock, threads)

@@ -73,6 +73,7 @@ class EvictionReport:
     temp_files_reaped: int = 0
     dirs_removed: int = 0
     threads: int = 0  # scanning and deleting threads (0: no scan)
+    passes: int = 0  # scans that chose files: more than one where the candidate bound held
     scan_seconds: float = 0.0
     errors: int = 0
     error_messages: list[str] = field(default_factory=list)

@@ -2,9 +2,11 @@
 old empty directories, and what each removable directory held before this run deleted
 anything (so a directory the run empties can go in the same run).
 
-Memory stays bounded by what must be freed: the heap keeps only the oldest files whose
-sizes add up to the bytes (and count up to the inodes) to free, never a list of every
-file.
+Memory stays bounded whatever the tree: the heap keeps only the oldest files whose sizes
+add up to the bytes (and count up to the inodes) to free, and never more than its
+max_files (the run then frees in passes, each scanning again); a leaf directory's names
+are streamed and offered in slices of OFFER_SLICE, never listed whole; stale temp files
+and empty directories kept for one pass are capped too (MAX_LEFTOVERS).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier_evictor.layouts import Layout
+
+OFFER_SLICE = 4096  # a leaf directory's files are offered this many at a time
+MAX_LEFTOVERS = 100_000  # stale temp files, and empty directories, kept for one pass
 
 
 class Candidate(NamedTuple):
@@ -50,9 +55,12 @@ class LruSelection:
     target, it is dropped, so the heap never holds more than the targets require.
     """
 
-    def __init__(self, bytes_needed: int, files_needed: int) -> None:
+    def __init__(self, bytes_needed: int, files_needed: int,
+                 max_files: int | None = None) -> None:
         self.bytes_needed = max(bytes_needed, 0)
         self.files_needed = max(files_needed, 0)
+        self.max_files = max_files  # the memory bound: past it the newest kept file goes
+        self.capped = False  # whether the bound dropped a file the targets still needed
         self._heap: list[tuple[float, int, str, int, int]] = []  # (-last_use, size, path,
         # dev, ino)
         self._bytes = 0
@@ -78,6 +86,10 @@ class LruSelection:
                             and len(heap) - 1 >= self.files_needed):
                         heapq.heappop(heap)
                         self._bytes -= top_size
+                    elif self.max_files is not None and len(heap) > self.max_files:
+                        heapq.heappop(heap)  # still needed, but past the bound: next pass
+                        self._bytes -= top_size
+                        self.capped = True
                     else:
                         break
 
@@ -151,6 +163,19 @@ def _open_below(name: str, parent_fd: int, path: str, totals: ScanTotals) -> int
         if err.errno not in _REPLACED:
             totals.errors.append(f"open {path}: {err.strerror or err}")
         return None
+
+
+def _stream(fd: int, path: str, totals: ScanTotals) -> Iterator[str]:
+    """The names in the directory open as fd, one at a time (a directory of millions of
+    files is never listed whole); a read error ends the stream, recorded."""
+    try:
+        with os.scandir(fd) as it:
+            for entry in it:
+                yield entry.name
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        totals.errors.append(f"scandir {path}: {err.strerror or err}")
 
 
 def _listdir(fd: int, path: str, totals: ScanTotals) -> list[str] | None:
@@ -245,6 +270,10 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
     fstatat = os.stat
     is_reg = stat.S_ISREG
 
+    def leftover(items: list, item: object) -> None:
+        if len(items) < MAX_LEFTOVERS:
+            items.append(item)
+
     def walk(fd: int, directory: str, lvl: int) -> None:
         removable = lvl > first_removable  # lvl: its children's level
         if removable:  # its age and size before anything here is deleted
@@ -252,18 +281,14 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
                 dir_st = os.fstat(fd)
             except OSError:
                 removable = False  # unreadable: nothing to remove
-        names = _listdir(fd, directory, totals)
         totals.dirs += 2  # calls to time (thread choice): its lookup (open) and its read
-        if names is None:
-            return
-        if removable:
-            old = now - dir_st.st_mtime >= dir_guard
-            totals.directories[directory] = DirInfo(dir_st.st_blocks * 512, len(names), old)
-            if not names and old:
-                totals.empty_dirs.append(directory)
-        if not names:
-            return
         if lvl != leaf_level:
+            names = _listdir(fd, directory, totals)
+            if names is None:
+                return
+            count = len(names)
+            if removable:
+                note(directory, dir_st, count)
             matches = layout.dir_levels[lvl].fullmatch
             for name in names:
                 if matches(name) is None:
@@ -279,8 +304,9 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             return
         prefix = directory if directory.endswith("/") else directory + "/"
         offers: list[tuple[float, int, str, int, int]] = []
-        files = block_bytes = skipped = 0
-        for name in names:
+        count = files = block_bytes = skipped = 0
+        for name in _stream(fd, directory, totals):
+            count += 1
             block = block_file(name) is not None
             if not block and (temp_file is None or temp_file(name) is None):
                 continue
@@ -298,8 +324,8 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             if not block:
                 totals.temp_bytes += size
                 if now - st.st_mtime >= temp_guard:
-                    totals.stale_temps.append(Candidate(st.st_mtime, size, prefix + name,
-                                                        st.st_dev, st.st_ino))
+                    leftover(totals.stale_temps, Candidate(st.st_mtime, size, prefix + name,
+                                                           st.st_dev, st.st_ino))
                 continue
             files += 1
             block_bytes += size
@@ -309,11 +335,22 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
                 skipped += 1
             elif selection is not None:
                 offers.append((used, size, prefix + name, st.st_dev, st.st_ino))
+                if len(offers) >= OFFER_SLICE:
+                    selection.offer_many(offers)
+                    offers = []
+        if removable:
+            note(directory, dir_st, count)
         totals.files += files
         totals.block_bytes += block_bytes
         totals.skipped_recent += skipped
         if selection is not None:
             selection.offer_many(offers)
+
+    def note(directory: str, dir_st: os.stat_result, count: int) -> None:
+        old = now - dir_st.st_mtime >= dir_guard
+        totals.directories[directory] = DirInfo(dir_st.st_blocks * 512, count, old)
+        if not count and old:
+            leftover(totals.empty_dirs, directory)
 
     fd = _open_unit(root if root is not None else path, names, totals)
     if fd is not None:

@@ -438,3 +438,48 @@ def test_auto_threads_go_parallel_on_a_slow_filesystem(tmp_path, monkeypatch):
     totals = scan_module.scan(str(tmp_path), KVTIER, rules, None, threads=0)
     assert totals.threads == scan_module.AUTO_THREADS
     assert totals.files == 300
+
+
+def test_past_the_candidate_bound_the_run_frees_in_passes_in_lru_order(tmp_path):
+    # 200 files to free 60% of: with at most 25 candidates held, the run scans again until
+    # below the low watermark, deleting exactly what an unbounded run deletes.
+    unbounded, bounded = tmp_path / "a", tmp_path / "b"
+    files_a, files_b = lru_tree(unbounded, 200), lru_tree(bounded, 200)
+    one = make_run(unbounded, capacity=210 * U, low_watermark=40).execute()
+    many = make_run(bounded, capacity=210 * U, low_watermark=40, max_candidates=25).execute()
+    assert one.outcome == many.outcome == FREED
+    assert one.passes == 1 and many.passes > 3
+    assert many.files_deleted == one.files_deleted
+    assert [f.exists() for f in files_b] == [f.exists() for f in files_a]
+    kept = [f.exists() for f in files_b]
+    assert kept == sorted(kept, reverse=True)  # only the oldest went
+    assert many.files_scanned == 200 and many.usage_after.percent <= 40
+
+
+TWO_MILLION = """
+import resource, sys
+from kvtier_evictor.scan import LruSelection
+bound = int(sys.argv[1])
+selection = LruSelection(bytes_needed=10**15, files_needed=0, max_files=bound)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for start in range(0, 2_000_000, 4096):
+    selection.offer_many([(float(i % 977_123), 4096, f"/v/{i:08x}.kvb", 1, i)
+                          for i in range(start, min(start + 4096, 2_000_000))])
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+print(len(selection), selection.capped, grew // 1024, selection.oldest_first()[0].last_use)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_candidates_held_stay_under_the_bound_at_two_million_files():
+    # Two million offers, every one needed: the selection holds at most its bound, so the
+    # evictor's memory does not grow with the tree (at ~350 bytes a candidate, 2M would be
+    # ~700 MiB, past the CronJob's 512Mi).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TWO_MILLION, "200000"], capture_output=True,
+                         text=True, check=True, timeout=110).stdout.split()
+    held, capped, grew_mib, oldest = int(out[0]), out[1], int(out[2]), float(out[3])
+    assert held == 200_000 and capped == "True" and oldest == 0.0
+    assert grew_mib < 100, f"the selection grew the process by {grew_mib} MiB"
