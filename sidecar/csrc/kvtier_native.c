@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -45,6 +46,9 @@
 #define TEMP_SUFFIX ".tmp"
 
 enum { DONE = 0, NOT_DONE = 1, EXISTS = 2 };
+/* The calling convention of read_batch/write_batch/open_beneath: native.py refuses an
+ * extension built for another. 2: paths are resolved beneath a directory fd. */
+#define BATCH_API 2
 
 static uint32_t crc_table[256];
 
@@ -180,6 +184,106 @@ static void header_into(unsigned char *out, const Names *names, Py_ssize_t i, ui
     put_le(out + KEY_OFFSET + len, crc32_of(out, KEY_OFFSET + len), 4);
 }
 
+/* ------------------------------------------------------------- resolution */
+
+/* A block path is resolved beneath the volume root's fd, never through a symlink at any
+ * level: a writer on the shared volume who swaps a fan-out directory (or the fingerprint
+ * directory) for a symlink cannot make this pod read or write outside the volume. With
+ * dirfd AT_FDCWD (tests, tools) the path is taken as given, still with no symlink on it.
+ * openat2 (Linux 5.6+) does it in one call; elsewhere each level is opened in turn with
+ * O_NOFOLLOW (a symlink there: ELOOP or ENOTDIR). */
+struct kvtier_open_how {
+    uint64_t flags;
+    uint64_t mode;
+    uint64_t resolve;
+};
+#define KVTIER_RESOLVE_NO_MAGICLINKS 0x02
+#define KVTIER_RESOLVE_NO_SYMLINKS 0x04
+#define KVTIER_RESOLVE_BENEATH 0x08
+#ifndef SYS_openat2
+#define SYS_openat2 437 /* the same number on x86_64 and aarch64 */
+#endif
+#define DIR_FLAGS (O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+
+static int openat2_missing; /* set once where the kernel has no openat2 (benign race) */
+
+static int walk_open(int dirfd, const char *path, int flags, mode_t mode)
+{
+    char buf[4096];
+    size_t len = strlen(path);
+    if (len == 0 || len >= sizeof buf) {
+        errno = len ? ENAMETOOLONG : ENOENT;
+        return -1;
+    }
+    memcpy(buf, path, len + 1);
+    char *name = buf;
+    int at = dirfd;
+    if (buf[0] == '/') {
+        if (dirfd != AT_FDCWD) {
+            errno = EXDEV;
+            return -1;
+        }
+        at = open("/", DIR_FLAGS);
+        if (at < 0)
+            return -1;
+        while (*name == '/')
+            name++;
+    }
+    for (;;) {
+        char *slash = strchr(name, '/');
+        if (slash)
+            *slash = '\0';
+        if (strcmp(name, "..") == 0 || (slash && *name == '\0')) {
+            if (at != dirfd)
+                close(at);
+            errno = EXDEV;
+            return -1;
+        }
+        int fd = slash ? openat(at, name, DIR_FLAGS)
+                       : openat(at, name, flags | O_NOFOLLOW, mode);
+        int saved = errno;
+        if (at != dirfd)
+            close(at);
+        if (fd < 0 || !slash) {
+            errno = saved;
+            return fd;
+        }
+        at = fd;
+        name = slash + 1;
+    }
+}
+
+static int open_below(int dirfd, const char *path, int flags, mode_t mode)
+{
+    if (!openat2_missing) {
+        struct kvtier_open_how how = {
+            (uint64_t)(flags | O_NOFOLLOW), (flags & O_CREAT) ? (uint64_t)mode : 0,
+            KVTIER_RESOLVE_NO_SYMLINKS | KVTIER_RESOLVE_NO_MAGICLINKS
+                | (dirfd == AT_FDCWD ? 0 : KVTIER_RESOLVE_BENEATH)};
+        long fd = syscall(SYS_openat2, dirfd, path, &how, sizeof how);
+        if (fd >= 0 || errno != ENOSYS)
+            return (int)fd;
+        openat2_missing = 1;
+    }
+    return walk_open(dirfd, path, flags, mode);
+}
+
+/* The directory a path names the file in (O_PATH, resolved as above), and where the
+ * file's own name starts in path. */
+static int parent_below(int dirfd, char *path, const char **name)
+{
+    char *slash = strrchr(path, '/');
+    if (!slash) {
+        *name = path;
+        return dirfd == AT_FDCWD ? open(".", DIR_FLAGS) : fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
+    }
+    *slash = '\0';
+    int fd = open_below(dirfd, slash == path ? "/" : path, DIR_FLAGS, 0);
+    *slash = '/';
+    *name = slash + 1;
+    return fd;
+}
+
 /* ------------------------------------------------------------- file I/O */
 
 /* All of size bytes at offset, retrying short transfers and EINTR. */
@@ -256,6 +360,7 @@ static int64_t ns_of(struct timespec ts)
 
 typedef struct {
     Names names;
+    int dirfd; /* paths are resolved beneath it (AT_FDCWD: as given) */
     Py_ssize_t count;
     const int64_t *addresses; /* where each payload is (the caller vouches) */
     const int64_t *sizes;
@@ -281,7 +386,7 @@ static int64_t read_file(const Batch *b, Py_ssize_t i, const char *path, unsigne
     struct stat st;
 
     *stale = 0;
-    int fd = open(path, b->flags, 0);
+    int fd = open_below(b->dirfd, path, b->flags, 0);
     if (fd < 0) {
         *stale = errno == ESTALE;
         return NOT_DONE;
@@ -333,7 +438,7 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
     if (status == DONE || !stale)
         return status;
     struct stat st;
-    if (fstatat(AT_FDCWD, path, &st, AT_SYMLINK_NOFOLLOW) != 0)
+    if (fstatat(b->dirfd, path, &st, AT_SYMLINK_NOFOLLOW) != 0)
         return NOT_DONE; /* gone meanwhile: a miss the Python path reports */
     b->last_used[i] = 0;
     return read_file(b, i, path, want, &stale);
@@ -345,16 +450,16 @@ static int64_t read_one(const Batch *b, Py_ssize_t i, char *path, unsigned char 
  * that one has the same bytes (a key is a hash of its tokens under one fingerprint) and a
  * reader keeps the inode it opened, so only the rewrite is wasted. DONE, EXISTS (a
  * regular file had the final name: temp left for the caller to remove) or NOT_DONE. */
-static int64_t publish(const char *temp, const char *final, int *plain)
+static int64_t publish(int dir, const char *temp, const char *final, int *plain)
 {
     if (!*plain) {
-        if (renameat2(AT_FDCWD, temp, AT_FDCWD, final, RENAME_NOREPLACE) == 0)
+        if (renameat2(dir, temp, dir, final, RENAME_NOREPLACE) == 0)
             return DONE;
         if (errno == EEXIST) {
             struct stat st;
             /* a regular file: another writer got there first; anything else (a
              * directory, FIFO, symlink): the Python path decides */
-            if (fstatat(AT_FDCWD, final, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            if (fstatat(dir, final, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
                 return EXISTS;
             return NOT_DONE;
         }
@@ -362,7 +467,7 @@ static int64_t publish(const char *temp, const char *final, int *plain)
             return NOT_DONE;
         *plain = 1; /* for the rest of the batch: the same filesystem */
     }
-    return rename(temp, final) == 0 ? DONE : NOT_DONE;
+    return renameat(dir, temp, dir, final) == 0 ? DONE : NOT_DONE;
 }
 
 /* One block of a store: written to its temp name, closed and published under its final
@@ -382,17 +487,26 @@ static int64_t write_one(const Batch *b, Py_ssize_t i, char *final, char *temp, 
     if (!pieces)
         put_le(header + DIGEST_OFFSET, xxh3.hash(payload, size), 8);
     path_into(temp, &b->names, i, 1);
-    int fd = open(temp, b->flags, 0664);
-    if (fd < 0)
+    /* Everything happens in the block's fan-out directory, reached without a symlink:
+     * the temp file, the rename and the clean-up are relative to it. */
+    const char *temp_name, *final_name;
+    int dir = parent_below(b->dirfd, temp, &temp_name);
+    if (dir < 0)
         return NOT_DONE;
-    int ok = pieces ? in_pieces(fd, header, payload, size, b->piece, 1, &digest)
-                    : header_and_payload(fd, header, payload, size, 1);
-    if (ok && b->fsync)
-        ok = fdatasync(fd) == 0;
-    ok = close(fd) == 0 && ok; /* NFS reports ENOSPC at close */
-    int64_t status = ok ? publish(temp, final, plain) : NOT_DONE;
-    if (status != DONE)
-        unlink(temp);
+    final_name = strrchr(final, '/') ? strrchr(final, '/') + 1 : final;
+    int64_t status = NOT_DONE;
+    int fd = openat(dir, temp_name, b->flags | O_NOFOLLOW, 0664);
+    if (fd >= 0) {
+        int ok = pieces ? in_pieces(fd, header, payload, size, b->piece, 1, &digest)
+                        : header_and_payload(fd, header, payload, size, 1);
+        if (ok && b->fsync)
+            ok = fdatasync(fd) == 0;
+        ok = close(fd) == 0 && ok; /* NFS reports ENOSPC at close */
+        status = ok ? publish(dir, temp_name, final_name, plain) : NOT_DONE;
+        if (status != DONE)
+            unlinkat(dir, temp_name, 0);
+    }
+    close(dir);
     return status;
 }
 
@@ -514,8 +628,8 @@ static void release(Py_buffer *views, int count)
 }
 
 PyDoc_STRVAR(read_batch_doc,
-    "read_batch(base, prefix, keys, bounds, addresses, sizes, headers, flags, piece,\n"
-    "           status, last_used, elapsed)\n\n"
+    "read_batch(dirfd, base, prefix, keys, bounds, addresses, sizes, headers, flags,\n"
+    "           piece, status, last_used, elapsed)\n\n"
     "Load a batch of block files (see batchio.read_blocks); the GIL is released.");
 
 static PyObject *read_batch(PyObject *self, PyObject *args)
@@ -524,14 +638,15 @@ static PyObject *read_batch(PyObject *self, PyObject *args)
     enum { BASE, PREFIX, KEYS, BOUNDS, ADDRESSES, SIZES, HEADERS, STATUS, LAST, ELAPSED, N };
     Py_buffer v[N];
     memset(v, 0, sizeof v);
-    int flags;
+    int dirfd, flags;
     long long piece;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*iLw*w*w*", &v[BASE], &v[PREFIX], &v[KEYS],
-                          &v[BOUNDS], &v[ADDRESSES], &v[SIZES], &v[HEADERS], &flags, &piece,
-                          &v[STATUS], &v[LAST], &v[ELAPSED]))
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*y*w*iLw*w*w*", &dirfd, &v[BASE], &v[PREFIX],
+                          &v[KEYS], &v[BOUNDS], &v[ADDRESSES], &v[SIZES], &v[HEADERS], &flags,
+                          &piece, &v[STATUS], &v[LAST], &v[ELAPSED]))
         return NULL;
     Batch b;
     memset(&b, 0, sizeof b);
+    b.dirfd = dirfd;
     b.count = v[ADDRESSES].len / 8;
     b.flags = flags;
     PyObject *result = NULL;
@@ -564,8 +679,8 @@ done:
 }
 
 PyDoc_STRVAR(write_batch_doc,
-    "write_batch(base, prefix, keys, bounds, token, addresses, sizes, headers, flags,\n"
-    "            fsync, piece, status, elapsed)\n\n"
+    "write_batch(dirfd, base, prefix, keys, bounds, token, addresses, sizes, headers,\n"
+    "            flags, fsync, piece, status, elapsed)\n\n"
     "Store a batch of block files (see batchio.write_blocks); the GIL is released.");
 
 static PyObject *write_batch(PyObject *self, PyObject *args)
@@ -574,14 +689,15 @@ static PyObject *write_batch(PyObject *self, PyObject *args)
     enum { BASE, PREFIX, KEYS, BOUNDS, TOKEN, ADDRESSES, SIZES, HEADERS, STATUS, ELAPSED, N };
     Py_buffer v[N];
     memset(v, 0, sizeof v);
-    int flags, fsync;
+    int dirfd, flags, fsync;
     long long piece;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*ipLw*w*", &v[BASE], &v[PREFIX], &v[KEYS],
-                          &v[BOUNDS], &v[TOKEN], &v[ADDRESSES], &v[SIZES], &v[HEADERS],
-                          &flags, &fsync, &piece, &v[STATUS], &v[ELAPSED]))
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*y*y*w*ipLw*w*", &dirfd, &v[BASE], &v[PREFIX],
+                          &v[KEYS], &v[BOUNDS], &v[TOKEN], &v[ADDRESSES], &v[SIZES],
+                          &v[HEADERS], &flags, &fsync, &piece, &v[STATUS], &v[ELAPSED]))
         return NULL;
     Batch b;
     memset(&b, 0, sizeof b);
+    b.dirfd = dirfd;
     b.count = v[ADDRESSES].len / 8;
     b.flags = flags;
     b.fsync = fsync;
@@ -665,6 +781,44 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(open_beneath_doc,
+    "open_beneath(dirfd, path, flags, mode) -> int\n\n"
+    "os.open(path, flags, mode, dir_fd=dirfd) resolved beneath dirfd without following a\n"
+    "symlink at any level (openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS, or a walk with\n"
+    "O_NOFOLLOW); dirfd -100 (AT_FDCWD): the path as given, no symlink on it. OSError.");
+
+static PyObject *open_beneath(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int dirfd, flags, mode;
+    Py_buffer path;
+    if (!PyArg_ParseTuple(args, "iy*ii", &dirfd, &path, &flags, &mode))
+        return NULL;
+    PyObject *result = NULL;
+    char *copy = NULL;
+    if (!check_name(&path, "path", 1))
+        goto done;
+    copy = PyMem_Malloc((size_t)path.len + 1);
+    if (!copy) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(copy, path.buf, (size_t)path.len);
+    copy[path.len] = '\0';
+    int fd;
+    Py_BEGIN_ALLOW_THREADS
+    fd = open_below(dirfd, copy, flags, (mode_t)mode);
+    Py_END_ALLOW_THREADS
+    if (fd < 0)
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, copy);
+    else
+        result = PyLong_FromLong(fd);
+done:
+    PyMem_Free(copy);
+    PyBuffer_Release(&path);
+    return result;
+}
+
 PyDoc_STRVAR(digest_doc,
     "digest(buffer) -> int\n\nXXH3-64 (seed 0) of a buffer's bytes; the GIL is released "
     "for large ones.");
@@ -705,6 +859,7 @@ static PyMethodDef methods[] = {
     {"read_batch", read_batch, METH_VARARGS, read_batch_doc},
     {"write_batch", write_batch, METH_VARARGS, write_batch_doc},
     {"built", built, METH_VARARGS, built_doc},
+    {"open_beneath", open_beneath, METH_VARARGS, open_beneath_doc},
     {"digest", digest, METH_O, digest_doc},
     {"address", address, METH_O, address_doc},
     {NULL, NULL, 0, NULL},
@@ -734,6 +889,7 @@ PyMODINIT_FUNC PyInit__native(void)
         || PyModule_AddIntConstant(m, "DONE", DONE)
         || PyModule_AddIntConstant(m, "NOT_DONE", NOT_DONE)
         || PyModule_AddIntConstant(m, "EXISTS", EXISTS)
+        || PyModule_AddIntConstant(m, "BATCH_API", BATCH_API)
         || PyModule_AddIntConstant(m, "XXHASH_VERSION", XXH_versionNumber())
         || PyModule_AddStringConstant(m, "XXH3_BUILD", xxh3.name)
         || PyModule_AddStringConstant(m, "SUFFIX", SUFFIX)

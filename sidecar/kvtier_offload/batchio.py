@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kvtier_offload import native
+from kvtier_offload.beneath import AT_FDCWD
 from kvtier_offload.fileformat import MAX_KEY
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES
 
@@ -106,8 +107,10 @@ def _check_piece(piece: int) -> None:
 
 def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np.ndarray,
                 sizes: np.ndarray, headers: memoryview, direct: bool, piece: int = 0,
-                seconds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Read the block file of each key under base (a Layout's base directory, encoded),
+                seconds: np.ndarray | None = None,
+                dirfd: int = AT_FDCWD) -> tuple[np.ndarray, np.ndarray]:
+    """Read the block file of each key under base (a Layout's base directory, encoded;
+    relative to dirfd and resolved beneath it with no symlink followed at any level),
     its header into headers[i * 4096:] and its payload, sizes[i] bytes (int64), to
     addresses[i] (int64), and check them: the header must be the one
     fileformat.encode_header makes for this key and size (prefix: header_prefix of the
@@ -127,7 +130,7 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
                                                                    piece, seconds)
     last_used = np.zeros(len(keys), dtype=np.int64)
     flags = READ_FLAGS | (os.O_DIRECT if direct else 0)
-    _native.read_batch(_c_bytes(base), prefix, packed, bounds,
+    _native.read_batch(dirfd, _c_bytes(base), prefix, packed, bounds,
                        addresses, sizes, headers, flags, piece, status, last_used, elapsed)
     _times_back(seconds, elapsed)
     return status, last_used
@@ -135,8 +138,11 @@ def read_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], addresses: np
 
 def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes,
                  addresses: np.ndarray, sizes: np.ndarray, headers: memoryview, direct: bool,
-                 fsync: bool, piece: int = 0, seconds: np.ndarray | None = None) -> np.ndarray:
-    """Write each key's block file under base: its header (built here into
+                 fsync: bool, piece: int = 0, seconds: np.ndarray | None = None,
+                 dirfd: int = AT_FDCWD) -> np.ndarray:
+    """Write each key's block file under base (relative to dirfd, its fan-out directory
+    reached with no symlink followed; the temp file, rename and clean-up happen in it):
+    its header (built here into
     headers[i * 4096:], digest filled in) and the payload of sizes[i] bytes at
     addresses[i], to the temp name with this token (Layout.temp_path), close, and rename it
     to its final name. Nothing looks for the final name first (on a network filesystem
@@ -154,7 +160,7 @@ def write_blocks(base: bytes, prefix: bytes, keys: Sequence[bytes], token: bytes
                                                                    piece, seconds)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | (
         os.O_DIRECT if direct else 0)
-    _native.write_batch(_c_bytes(base), prefix, packed, bounds,
+    _native.write_batch(dirfd, _c_bytes(base), prefix, packed, bounds,
                         _c_bytes(token), addresses, sizes, headers, flags, fsync, piece,
                         status, elapsed)
     _times_back(seconds, elapsed)

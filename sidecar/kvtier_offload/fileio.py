@@ -8,6 +8,10 @@ FileNotFoundError (no file), NotAFile (a FIFO, socket, device, directory or syml
 the name: never waited on, never followed), BadBlock (short or damaged) or another
 OSError. Checking a header and payload against what the reader expects is
 fileformat's and the caller's part; this module moves the bytes.
+
+Every path below the volume root is resolved beneath an fd of the root without following
+a symlink at any level (beneath.py), on both paths: a directory swapped for a symlink by
+another writer of the volume fails the block, it never leads outside the volume.
 """
 
 from __future__ import annotations
@@ -23,9 +27,16 @@ import time
 import numpy as np
 
 from kvtier_offload import batchio
+from kvtier_offload.beneath import (
+    DIR_FLAGS,
+    lstat_beneath,
+    makedirs_beneath,
+    open_beneath,
+    parent_beneath,
+)
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, encode_header, header_prefix, padded
-from kvtier_offload.layout import Layout
+from kvtier_offload.layout import DIR_MODE, Layout
 
 ALIGN = 4096
 Part = bytes | bytearray | memoryview | mmap.mmap
@@ -95,39 +106,6 @@ def read_all(fd: int, parts: list[memoryview]) -> int:
     return offset
 
 
-def touch(path: str, st: os.stat_result, interval: float) -> None:
-    """Refresh a hit file's atime so the evictor's LRU holds on noatime/relatime mounts;
-    at most once per interval seconds per file (its own atime says when)."""
-    now = time.time()
-    if now - max(st.st_atime, st.st_mtime) < interval:
-        return
-    try:
-        os.utime(path, (now, st.st_mtime))
-    except OSError:
-        pass  # read-only volume or a file deleted meanwhile: a hit is still a hit
-
-
-def regular_file_at(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def remove_bad(path: str, bad: BadBlock) -> bool:
-    """Remove a refused block file; True where it is gone. A FIFO, socket, device or
-    symlink goes by unlink (only the name: no target is touched); a directory only where
-    empty (rmdir): one with entries stays, a miss on every lookup."""
-    try:
-        if isinstance(bad, NotAFile) and bad.kind == "directory":
-            os.rmdir(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        return False
-    return True
-
-
 class BlockFiles:
     """The block files of one layout. direct: O_DIRECT (bounced through an aligned
     buffer where a block's memory is not aligned); fsync: fdatasync before publishing;
@@ -138,11 +116,93 @@ class BlockFiles:
                  piece: int = 0) -> None:
         self.layout = layout
         self.direct, self.fsync, self.piece = direct, fsync, piece
-        self._base = os.fsencode(layout.base)  # what the batch path builds paths on
+        # The batch path builds paths on the base relative to the root's fd.
+        self._root_prefix = os.path.join(layout.root, "")
+        self._base = os.fsencode(self.rel(layout.base + "/x").rpartition("/")[0])
+        self._root_fd = -1
+        self._root_lock = threading.Lock()
         self._prefix = header_prefix(layout.fingerprint)
         self._local = threading.local()
         self._made_dirs: set[bytes] = set()  # fan-out directories, by a key's first 2 bytes
         self._dirs_lock = threading.Lock()
+
+    # ------------------------------------------------------------- the root
+
+    def root_fd(self) -> int:
+        """An fd of the volume root, opened once (as given: the mount itself is the
+        administrator's choice; made where it is missing); OSError while it cannot be
+        opened (tried again next time)."""
+        fd = self._root_fd
+        if fd >= 0:
+            return fd
+        with self._root_lock:
+            if self._root_fd < 0:
+                flags = DIR_FLAGS & ~os.O_NOFOLLOW
+                try:
+                    self._root_fd = os.open(self.layout.root, flags)
+                except FileNotFoundError:  # a directory to use, not a mount: made here
+                    self.layout.ensure_dir(self.layout.root)
+                    self._root_fd = os.open(self.layout.root, flags)
+            return self._root_fd
+
+    def close(self) -> None:
+        with self._root_lock:
+            if self._root_fd >= 0:
+                os.close(self._root_fd)
+                self._root_fd = -1
+
+    def rel(self, path: str) -> str:
+        """A path the layout built, relative to the root."""
+        if not path.startswith(self._root_prefix):
+            raise ValueError(f"{path} is not below {self.layout.root}")
+        return path[len(self._root_prefix):]
+
+    def lstat(self, path: str) -> os.stat_result:
+        """os.stat(path, follow_symlinks=False), with no symlink followed above it."""
+        return lstat_beneath(self.root_fd(), self.rel(path))
+
+    def regular_file_at(self, path: str) -> bool:
+        try:
+            return stat.S_ISREG(self.lstat(path).st_mode)
+        except OSError:
+            return False
+
+    def touch(self, path: str, st: os.stat_result, interval: float) -> None:
+        """Refresh a hit file's atime so the evictor's LRU holds on noatime/relatime
+        mounts; at most once per interval seconds per file (its own atime says when)."""
+        now = time.time()
+        if now - max(st.st_atime, st.st_mtime) < interval:
+            return
+        try:
+            fd, name = parent_beneath(self.root_fd(), self.rel(path))
+            try:
+                os.utime(name, (now, st.st_mtime), dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # read-only volume or a file deleted meanwhile: a hit is still a hit
+
+    def remove_bad(self, path: str, bad: BadBlock) -> bool:
+        """Remove a refused block file; True where it is gone. A FIFO, socket, device or
+        symlink goes by unlink (only the name: no target is touched); a directory only
+        where empty (rmdir): one with entries stays, a miss on every lookup."""
+        try:
+            fd, name = parent_beneath(self.root_fd(), self.rel(path))
+            try:
+                if isinstance(bad, NotAFile) and bad.kind == "directory":
+                    os.rmdir(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        return True
+
+    def ensure_dirs(self, directory: str) -> None:
+        """A directory the layout names (base or a fan-out level) and those above it,
+        made group-writable where missing, beneath the root; OSError."""
+        makedirs_beneath(self.root_fd(), self.rel(directory), DIR_MODE)
 
     def _buffer(self, size: int, name: str = "bounce") -> mmap.mmap:
         """A page-aligned buffer per thread and use, grown on demand."""
@@ -161,7 +221,7 @@ class BlockFiles:
         bytes: those stand for it, no path needed when it is there."""
         if key[:2] not in self._made_dirs:
             try:
-                self.layout.ensure_dir(os.path.dirname(self.layout.path(key)))
+                self.ensure_dirs(os.path.dirname(self.layout.path(key)))
             except OSError:
                 return  # the write finds out and says why
             with self._dirs_lock:  # at most 65,536: the layout's fan-out bounds it
@@ -176,34 +236,38 @@ class BlockFiles:
         readers keep whatever inode they opened, nothing mixes. Raises OSError; leaves no
         temp file behind."""
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
-        tmp = self.layout.temp_path(key)
-        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+        tmp = self.layout.temp_path(key).rpartition("/")[2]
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = self.direct
         for attempt in range(2):
             try:
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664)
+                dir_fd, name = parent_beneath(self.root_fd(), self.rel(path))
                 break
             except FileNotFoundError:
                 if attempt:
                     raise
-                self.layout.ensure_dir(os.path.dirname(path))  # first write, or reaped
+                self.ensure_dirs(os.path.dirname(path))  # first write, or reaped
         try:
+            fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664, dir_fd=dir_fd)
             try:
-                if direct:
-                    self._write_direct(fd, header, data)
-                else:
-                    write_all(fd, [header, data])
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)  # close errors (NFS reports ENOSPC here) must propagate
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                try:
+                    if direct:
+                        self._write_direct(fd, header, data)
+                    else:
+                        write_all(fd, [header, data])
+                    if self.fsync:
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)  # close errors (NFS reports ENOSPC here) must propagate
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dir_fd)
 
     def _write_direct(self, fd: int, header: bytes, data: memoryview) -> None:
         if aligned(data):
@@ -226,13 +290,15 @@ class BlockFiles:
         size = len(dest)
         direct = self.direct
         try:
-            # Never waits (a FIFO opens at once), never follows a symlink (ELOOP).
-            fd = os.open(path, batchio.READ_FLAGS | (os.O_DIRECT if direct else 0))
+            # Never waits (a FIFO opens at once), never follows a symlink (ELOOP), at the
+            # name or above it.
+            fd = open_beneath(self.root_fd(), self.rel(path),
+                              batchio.READ_FLAGS | (os.O_DIRECT if direct else 0), 0)
         except FileNotFoundError:
             raise
         except OSError as err:  # ELOOP for a symlink, EINVAL/ENXIO for some special files
             try:
-                kind = odd_kind(os.stat(path, follow_symlinks=False).st_mode)
+                kind = odd_kind(self.lstat(path).st_mode)
             except OSError:
                 kind = None
             if kind is None:
@@ -273,7 +339,7 @@ class BlockFiles:
         return batchio.write_blocks(self._base, self._prefix, keys,
                                     secrets.token_hex(8).encode(), addresses, sizes,
                                     memoryview(headers), self.direct, self.fsync, self.piece,
-                                    seconds=seconds)
+                                    seconds=seconds, dirfd=self.root_fd())
 
     def read_batch(self, keys: list[bytes], addresses: np.ndarray, sizes: np.ndarray,
                    seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -281,4 +347,4 @@ class BlockFiles:
         headers = self._buffer(len(keys) * HEADER_SIZE, "headers")
         return batchio.read_blocks(self._base, self._prefix, keys, addresses, sizes,
                                    memoryview(headers), self.direct, self.piece,
-                                   seconds=seconds)
+                                   seconds=seconds, dirfd=self.root_fd())

@@ -15,6 +15,7 @@ from types import ModuleType
 from kvtier_offload import fileformat, layout
 
 ENV = "KVTIER_OFFLOAD_NATIVE"
+BATCH_API = 2  # the extension's calling convention (2: paths beneath a directory fd)
 
 
 def _load() -> tuple[ModuleType | None, str, str]:
@@ -31,6 +32,7 @@ def _load() -> tuple[ModuleType | None, str, str]:
         "KEY_LEN_OFFSET": fileformat.KEY_LEN_OFFSET, "KEY_OFFSET": fileformat.KEY_OFFSET,
         "MIN_KEY_BYTES": layout.MIN_KEY_BYTES, "MAX_KEY_BYTES": layout.MAX_KEY_BYTES,
         "SUFFIX": layout.SUFFIX, "TEMP_SUFFIX": layout.TEMP_SUFFIX,
+        "BATCH_API": BATCH_API,
     }
     for name, value in expected.items():
         if getattr(_native, name, None) != value:

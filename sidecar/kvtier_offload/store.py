@@ -43,7 +43,7 @@ from kvtier_offload.admission import WriteAdmission
 from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
-from kvtier_offload.fileio import BlockFiles, advance, regular_file_at, remove_bad, touch
+from kvtier_offload.fileio import BlockFiles, advance
 from kvtier_offload.iopool import IOPool
 from kvtier_offload.jobs import Job, JobOutcome, JobTable, Result, time_left
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
@@ -151,8 +151,9 @@ class BlockStore:
                        "server's image")
             log.error("%s", message)
             raise NoDigest(message)
+        self._files = BlockFiles(self.layout, direct=False)
         try:
-            self.layout.ensure_dir(self.layout.base)
+            self._files.ensure_dirs(self.layout.base)
         except OSError as err:
             # A read-only or full volume must not stop vLLM: stores fail, lookups miss.
             log.warning("kvtier cannot create %s (%s); every store will fail and every "
@@ -172,8 +173,9 @@ class BlockStore:
         memory_speed = probe_memory_speed(self.layout.base, direct)
         # Where files move at memory speed, large blocks go piece by piece, each hashed
         # while in cache; a device or network wants one large I/O per file instead.
-        self._files = BlockFiles(self.layout, direct, config.fsync,
-                                 PIECE if memory_speed else 0)
+        files = self._files
+        files.direct, files.fsync, files.piece = direct, config.fsync, (
+            PIECE if memory_speed else 0)
         self._jobs = JobTable(self.metrics.in_queue)
         self._lookups = LookupCache(config.lookup_hit_ttl, config.lookup_miss_ttl,
                                     config.lookup_cache_entries)
@@ -273,14 +275,14 @@ class BlockStore:
     def _stat_key(self, key: bytes) -> bool:
         path = self.layout.path(key)
         try:
-            st = os.stat(path, follow_symlinks=False)
+            st = self._files.lstat(path)
         except OSError:
             present = False
         else:
             # Only a regular file is a block (a directory is 4096 bytes on ext4, NFS).
             present = stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_SIZE
             if present:
-                touch(path, st, self.cfg.touch_interval)
+                self._files.touch(path, st, self.cfg.touch_interval)
         self._lookups.remember((key,), present)
         self.metrics.lookups.labels("hit" if present else "miss").inc()
         return present
@@ -506,7 +508,7 @@ class BlockStore:
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._lookups.get(key) or (look and regular_file_at(self.layout.path(key))):
+        if self._lookups.get(key) or (look and self._files.regular_file_at(self.layout.path(key))):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
@@ -608,7 +610,7 @@ class BlockStore:
         for n in np.flatnonzero(last_used <= stale).tolist():
             path = self.layout.path(batch_keys[n])
             try:
-                touch(path, os.stat(path), self.cfg.touch_interval)
+                self._files.touch(path, self._files.lstat(path), self.cfg.touch_interval)
             except OSError:
                 pass  # evicted since it was read: the bytes were verified, a hit
         served_sizes = sizes.tolist()
@@ -635,7 +637,7 @@ class BlockStore:
             return False
         except BadBlock as bad:
             self.metrics.corrupt.labels(bad.reason).inc()
-            removed = remove_bad(path, bad)
+            removed = self._files.remove_bad(path, bad)
             self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); %s, "
                            "vLLM recomputes", path, bad,
                            "removed it" if removed else "could not remove it")
@@ -657,7 +659,7 @@ class BlockStore:
         header, st = self._files.read(dest, path)
         self._check(key, len(dest), header, digest(dest))
         self._lookups.remember((key,), True)
-        touch(path, st, self.cfg.touch_interval)
+        self._files.touch(path, st, self.cfg.touch_interval)
 
     def _check(self, key: bytes, size: int, header: memoryview, payload_digest: int) -> None:
         expected = decode_header(header, self.layout.fingerprint, key, size)
@@ -681,6 +683,7 @@ class BlockStore:
         self._background.stop()
         stopped = self._pool.close(time_left(deadline))
         if self._background.join(deadline) and drained and stopped:
+            self._files.close()  # never under a thread left behind: its fd stays valid
             return True
         log.warning("kvtier: closed with threads still stuck after %.1fs; left them behind",
                     timeout)

@@ -140,8 +140,8 @@ def test_anything_but_a_regular_file_is_not_a_file_and_never_read(files, tmp_pat
         with pytest.raises(NotAFile) as raised:
             files.read(aligned_block(7), path)
         assert raised.value.kind == kind and raised.value.reason == "not-a-file"
-        assert fileio.regular_file_at(path) is False
-        assert fileio.remove_bad(path, raised.value) is True
+        assert files.regular_file_at(path) is False
+        assert files.remove_bad(path, raised.value) is True
         assert not os.path.lexists(path) and target.exists()  # the name went, no target
     finally:
         if holder is not None:
@@ -149,23 +149,25 @@ def test_anything_but_a_regular_file_is_not_a_file_and_never_read(files, tmp_pat
 
 
 def test_a_directory_with_entries_is_not_removed(tmp_path):
-    full = tmp_path / "block"
-    full.mkdir()
-    (full / "inside").write_bytes(b"")
-    assert fileio.remove_bad(str(full), NotAFile("directory")) is False
-    assert full.is_dir()
+    files = BlockFiles(Layout(str(tmp_path), FP), direct=False)
+    full = files.layout.path(KEY)
+    os.makedirs(full)
+    open(os.path.join(full, "inside"), "wb").close()
+    assert files.remove_bad(full, NotAFile("directory")) is False
+    assert os.path.isdir(full)
 
 
 def test_touch_refreshes_atime_at_most_once_per_interval(tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(b"x")
+    files = BlockFiles(Layout(str(tmp_path), FP), direct=False)
+    path = files.layout.path(KEY)
+    files.write(KEY, aligned_block(1), path)
     os.utime(path, (1000.0, 1000.0))
-    fileio.touch(str(path), os.stat(path), interval=60.0)
+    files.touch(path, os.stat(path), interval=60.0)
     st = os.stat(path)
     assert st.st_atime > time.time() - 60 and st.st_mtime == 1000.0
     os.utime(path, (time.time() - 10, 1000.0))
     before = os.stat(path).st_atime
-    fileio.touch(str(path), os.stat(path), interval=60.0)  # touched 10 s ago: left alone
+    files.touch(path, os.stat(path), interval=60.0)  # touched 10 s ago: left alone
     assert os.stat(path).st_atime == before
 
 

@@ -219,3 +219,76 @@ def test_a_pool_closed_past_its_timeout_drops_what_has_not_started():
         release.set()
     time.sleep(0.2)
     assert ran == []  # queued behind the stuck task: dropped, never run
+
+
+# A writer on the volume swaps a directory on a block's path for a symlink to a place
+# outside the volume (#35 N4): the fingerprint directory, or a fan-out level. No store
+# writes there, no load reads from there, no lookup counts what is there as a hit.
+LEVELS = {"fingerprint": 0, "fan-out 1": 1, "fan-out 2": 2}
+
+
+def _swap_for_symlink(store, key: bytes, level: int, outside: Path) -> Path:
+    """Move the directory `level` levels above key's fan-out leaf (0: the fingerprint
+    directory) outside the volume and leave a symlink to it in its place."""
+    leaf = Path(store.layout.path(key)).parent
+    directory = [leaf.parent.parent, leaf.parent, leaf][level]
+    moved = outside / f"moved-{level}"
+    os.replace(directory, moved)
+    os.symlink(moved, directory)
+    return moved
+
+
+@pytest.mark.parametrize("level", LEVELS.values(), ids=LEVELS.keys())
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_a_symlinked_directory_never_leads_a_store_outside_the_volume(
+        make_store, tmp_path, level, batch_io):
+    store = make_store(root=tmp_path / "vol", batch_io=batch_io)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    first, second = keys(2, salt=b"n4")
+    second = first[:2] + second[2:]  # the same fan-out directories as first
+    data = rows(2, SIZE, seed=3)
+    assert run_store(store, 1, [(first, data[0])]).success
+    moved = _swap_for_symlink(store, first, level, outside)
+    before = sorted(p.name for p in moved.rglob("*"))
+    outcome = run_store(store, 2, [(second, data[1])])
+    assert not outcome.success
+    assert sorted(p.name for p in moved.rglob("*")) == before  # nothing written there
+
+
+@pytest.mark.parametrize("level", LEVELS.values(), ids=LEVELS.keys())
+@pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+def test_a_symlinked_directory_never_serves_a_block_from_outside_the_volume(
+        make_store, tmp_path, level, batch_io):
+    writer = make_store(root=tmp_path / "vol", batch_io=batch_io)
+    (key,) = keys(1, salt=b"n4-load")
+    (data,) = rows(1, SIZE, seed=4)
+    assert run_store(writer, 1, [(key, data)]).success
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _swap_for_symlink(writer, key, level, outside)  # the valid block now lies outside
+    reader = make_store(root=tmp_path / "vol", batch_io=batch_io)  # no cached hits
+    assert reader.lookup_now([key]) == [False]
+    dest = rows(1, SIZE, seed=5)[0]
+    assert not run_load(reader, 2, [(key, dest)]).success
+    assert bytes(dest) != bytes(data)
+    assert (outside / f"moved-{level}").exists()  # and nothing outside was removed
+
+
+def test_without_openat2_each_level_is_still_opened_without_following(tmp_path,
+                                                                       monkeypatch):
+    # The Python walk (kernels before 5.6, or no extension) refuses the same symlinks.
+    from kvtier_offload import beneath
+
+    monkeypatch.setattr(beneath.native, "module", None)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.close(beneath.open_beneath(root, "real/f", os.O_RDONLY))
+        for rel in ("link/f", "../" + tmp_path.name + "/real/f", "real/../real/f"):
+            with pytest.raises(OSError):
+                beneath.open_beneath(root, rel, os.O_RDONLY)
+    finally:
+        os.close(root)
