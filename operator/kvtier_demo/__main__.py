@@ -26,9 +26,10 @@ from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
-from kvtier_operator.loading import parse_tpc
+from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.render import sizing
 from kvtier_operator.render.connector import kv_transfer_json
+from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ async def live(out: Path) -> int:
         say(f"1. kubectl apply -f examples/{EXAMPLE}")
         cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
         print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
-              f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
+              f"{cpu}, shared tier {adapter_for(tpc.spec).storage_backend(tpc.spec)} on a "
               f"{claim.size} ReadWriteMany claim")
         doc["metadata"]["uid"] = "demo-uid-1"
         doc["metadata"]["generation"] = 1

@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_operator import KIND
+from kvtier_operator.api.v1alpha1 import LabelSelector
 from kvtier_operator.cache_registry import CacheLookup
 from kvtier_operator.conflict_log import ConflictLog
-from kvtier_operator.engines import immutable
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import LabelSelector
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import InvalidResource, immutable, parse_tpc
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-tieredprefixcaches"

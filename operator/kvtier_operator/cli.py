@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from kvtier_operator.loading import InvalidResource, load_documents, parse_tpc, split_tpcs
+from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.context import (
     DEFAULT_OPERATOR_IMAGE,
     DEFAULT_SIDECAR_IMAGE,
@@ -17,6 +17,7 @@ from kvtier_operator.render.context import (
 )
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
+from kvtier_operator.validation import InvalidResource, parse_tpc
 from kvtier_operator.yamlio import dump_all
 
 EXIT_INVALID = 2
@@ -91,9 +92,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_crd(args: argparse.Namespace) -> int:
     from kvtier_operator.crd import crd
 
-    text = "# Generated from kvtier_operator.models by `make crds`; do not edit.\n" + dump_all(
-        [crd()]
-    )
+    text = ("# Generated from kvtier_operator.api.v1alpha1 by `make crds`; do not edit.\n"
+            + dump_all([crd()]))
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_operator.api.quantity import quantity_bytes
+from kvtier_operator.api.v1alpha1 import DeletePolicy, RolloutPolicy, TieredPrefixCache
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import DeletePolicy, RolloutPolicy, TieredPrefixCache
 from kvtier_operator.observe import EvictorRun, PodView
-from kvtier_operator.quantity import quantity_bytes
 from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
@@ -41,6 +40,7 @@ from kvtier_operator.status import (
     prerequisites_condition,
     ready_condition,
 )
+from kvtier_operator.validation import InvalidResource, parse_tpc
 
 
 @dataclass

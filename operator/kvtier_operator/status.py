@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_DO
-from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.observe import EvictorRun, PodView
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.quantity import GIB, MIB
+from kvtier_operator.api.quantity import GIB, MIB
 from kvtier_operator.render import sizing
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT, tpc_doc
 
 SIZING = (ROOT / "docs" / "sizing.md").read_text()

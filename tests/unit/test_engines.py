@@ -10,14 +10,14 @@ import pytest
 import yaml
 
 from kvtier_demo.samples import sample_workload
+from kvtier_operator.api.quantity import MIB, quantity_bytes
 from kvtier_operator.engines.registry import ADAPTERS, adapter_for
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.quantity import MIB, quantity_bytes
 from kvtier_operator.render import names, sizing
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject, inject_workload
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
+from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import EXAMPLES, ROOT, example, tpc_doc
 from tests.unit.test_crd import _failed_messages, _schema_defaults
 

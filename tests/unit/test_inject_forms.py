@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import names
 from kvtier_operator.render.connector import kv_transfer_json
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import MAX_COMMAND_CHARS, inject, runs_vllm
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")

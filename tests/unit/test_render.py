@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.quantity import GIB
+from kvtier_operator.api.quantity import GIB
 from kvtier_operator.render import names, sizing
 from kvtier_operator.render.connector import (
     KVTIER_CONNECTOR,
@@ -26,6 +25,7 @@ from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import config_hash, inject, inject_workload, runs_vllm
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
@@ -186,7 +186,7 @@ def test_gpu_direct_staging_size_from_the_cr_per_worker_process():
     ({"cpu": None, "storage": {"stagingSize": "4Ki"}}, "too small to stage a KV block"),
 ])
 def test_staging_size_is_refused_where_it_means_nothing(patch, needle):
-    from kvtier_operator.loading import InvalidResource
+    from kvtier_operator.validation import InvalidResource
 
     with pytest.raises(InvalidResource) as err:
         tpc(patch)

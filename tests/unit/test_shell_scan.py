@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render import kube_expansion, shell, vllm_entry
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
 CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvtier_operator.engines import vllm_kvbm, vllm_mooncake, vllm_tpu
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT, tpc_doc
 
 SOURCES = Path(os.environ.get("KVTIER_ENGINE_SOURCES", ROOT / ".venv" / "engine-sources"))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.connector import kv_transfer_json
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
 from tests.unit.test_inject_hostile import stubs  # noqa: F401 (a fixture)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     Connector,
     Engine,
     StorageBackend,
@@ -44,6 +44,15 @@ class Prerequisite:
     name: str
     field: str  # the spec field that names it, e.g. spec.mooncake.configMapName
     key: str | None = None  # a ConfigMap key that must be present
+
+
+@dataclass(frozen=True)
+class NoCpuTier:
+    """An adapter that serves without spec.cpu: only on this shared-tier backend; the
+    refusal otherwise names what to add."""
+
+    backend: StorageBackend
+    message: str
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,14 @@ class Adapter(ABC):
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = ()
     # The spec block only this adapter reads, required with it (e.g. "tpu", "mooncake").
     settings_block: ClassVar[str | None] = None
+    # Whether spec.cpu may be left out (files straight from accelerator memory), and on
+    # which backend; validation turns it into the CRD's rule.
+    no_cpu_tier: ClassVar[NoCpuTier | None] = None
 
     # ---------------------------------------------------------------- the spec
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         """Raise ValueError naming the field and the fix for what this adapter refuses
-        beyond the registry's generic checks (registry.check_spec)."""
+        beyond the generic checks (validation/engine_rules.check_spec)."""
         if spec.cpu is None:
             raise ValueError(f"spec.cpu is required with {self.describe()}; add cpu.size, "
                              "e.g. 100Gi")

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvtier_operator.engines.base import Adapter, Launcher, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     Connector,
     Engine,
     SglangIoBackend,
@@ -17,6 +15,8 @@ from kvtier_operator.models import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
+from kvtier_operator.engines.base import Adapter, Launcher, PodRole
+from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS
 from kvtier_operator.render import sglang_entry, sglang_flags, sglang_hicache, sizing, vllm_entry
 from kvtier_operator.render.sizing import PodSizing
 

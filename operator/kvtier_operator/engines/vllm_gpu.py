@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VLLM, command_line
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
-    GPU_DIRECT_NEEDS_STORAGE,
     Connector,
     Engine,
     StorageBackend,
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
+from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
+from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VLLM, command_line
 from kvtier_operator.render import sizing
 from kvtier_operator.render.sizing import PodSizing
 
@@ -31,6 +30,9 @@ KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
 KVTIER_CONNECTOR = "KvtierOffloadingConnector"
 KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
 LMCACHE_DISK_DIR = "lmcache"
+GPU_DIRECT_NEEDS_STORAGE = (
+    "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
+    "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
 
 
 class VllmNative(Adapter):
@@ -43,6 +45,8 @@ class VllmNative(Adapter):
     takes_storage: ClassVar[bool] = True
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = (
         StorageBackend.kvtier, StorageBackend.vllm_fs)
+    no_cpu_tier: ClassVar[NoCpuTier | None] = NoCpuTier(StorageBackend.kvtier,
+                                                        GPU_DIRECT_NEEDS_STORAGE)
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         s = spec.storage

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, ExtraVolume, PodRole, Prerequisite
 from kvtier_operator.engines.vllm_launch import VLLM
-from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.render import sizing
 from kvtier_operator.render.sizing import PodSizing
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from kvtier_operator.api.quantity import format_bytes
+from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, PodRole
 from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VllmLauncher, command_line
-from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
-from kvtier_operator.quantity import format_bytes
 from kvtier_operator.render import sizing
 from kvtier_operator.render.sizing import PodSizing
 

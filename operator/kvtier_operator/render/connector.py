@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.engines.base import PodRole
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.engines.vllm_gpu import (  # noqa: F401  (the names callers know)
@@ -17,7 +18,6 @@ from kvtier_operator.engines.vllm_gpu import (  # noqa: F401  (the names callers
     LMCACHE_DISK_DIR,
 )
 from kvtier_operator.engines.vllm_launch import kv_transfer_json as _json
-from kvtier_operator.models import TieredPrefixCache
 
 
 def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 
 PREFIX = "kvtier.dev"
 ANNOTATION_CACHE = f"{PREFIX}/cache"

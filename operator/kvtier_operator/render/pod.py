@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_operator.api.quantity import format_bytes, quantity_bytes
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.engines.base import Adapter, PodRole
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.engines.vllm_launch import (  # noqa: F401  (the names callers know)
@@ -22,8 +24,6 @@ from kvtier_operator.engines.vllm_launch import (  # noqa: F401  (the names call
     command_line,
     runs_vllm,
 )
-from kvtier_operator.models import TieredPrefixCache
-from kvtier_operator.quantity import format_bytes, quantity_bytes
 from kvtier_operator.render import kube_expansion, names
 from kvtier_operator.render.context import RenderContext
 

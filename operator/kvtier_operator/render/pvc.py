@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_operator.models import DeletePolicy, TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import DeletePolicy, TieredPrefixCache
 from kvtier_operator.render import names
 
 

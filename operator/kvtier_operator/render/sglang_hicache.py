@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_operator.models import SglangIoBackend, SglangWritePolicy
+from kvtier_operator.api.v1alpha1 import SglangIoBackend, SglangWritePolicy
 from kvtier_operator.render.sglang_flags import (
     CONFIG_FILE,
     Flag,

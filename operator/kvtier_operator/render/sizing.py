@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier_operator.models import Connector, StorageBackend, TieredPrefixCacheSpec
-from kvtier_operator.quantity import GIB, MIB, quantity_bytes, round_up
+from kvtier_operator.api.quantity import GIB, MIB, quantity_bytes, round_up
+from kvtier_operator.api.v1alpha1 import Connector, StorageBackend, TieredPrefixCacheSpec
 
 # /dev/shm beyond the CPU tier: NCCL buffers, torch multiprocessing and vLLM's IPC.
 SHM_BASE_BYTES = 2 * GIB
@@ -42,10 +42,18 @@ def chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
     return block * spec.model.bytes_per_token
 
 
+def native_backend(spec: TieredPrefixCacheSpec) -> StorageBackend | None:
+    """The shared tier's effective backend under vLLM's OffloadingConnector (kvtier's
+    unless the spec says vllm-fs); None without a shared tier or another connector."""
+    if spec.storage is None or spec.connector != Connector.native:
+        return None
+    return StorageBackend(spec.storage.backend or StorageBackend.kvtier)
+
+
 def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Bounce buffers of the kvtier backend: one chunk per I/O thread. Without a CPU tier
     the worker's aligned staging rows are written and read in place: none."""
-    if spec.storage_backend != StorageBackend.kvtier or spec.gpu_direct:
+    if native_backend(spec) != StorageBackend.kvtier or spec.gpu_direct:
         return 0
     assert spec.storage is not None
     threads = spec.storage.read_threads + spec.storage.write_threads
