@@ -27,7 +27,6 @@ from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.render import sizing
 from kvtier_operator.render.connector import kv_transfer_json
 from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
@@ -130,8 +129,9 @@ async def live(out: Path) -> int:
                                 "schedule": cron["spec"]["schedule"],
                                 "concurrencyPolicy": cron["spec"]["concurrencyPolicy"],
                                 "command": container["command"] + container["args"]}}))
+        lru = adapter_for(tpc.spec).router_cpu_blocks(tpc.spec) or 0
         print("ConfigMap " + router["metadata"]["name"] + " (llm-d router, CPU tier "
-              f"lruCapacityPerServer {sizing.router_lru_capacity(tpc.spec):,} computed "
+              f"lruCapacityPerServer {lru:,} computed "
               "from 256 KiB/token x 16 tokens):")
         print(router["data"]["tiered-prefix-cache-plugins.yaml"])
         # The sandbox has no storage provisioner: bind the claim as one would.

@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from kvtier_operator.render.names import ANNOTATION_APPLIED_FIELDS
+from kvtier_operator.names import ANNOTATION_APPLIED_FIELDS
 
 log = logging.getLogger("kvtier_operator")
 

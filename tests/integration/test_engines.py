@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvtier_operator.render import names
+from kvtier_operator import names
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
 from kvtier_operator.validation import parse_tpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvtier_operator import applied
-from kvtier_operator.render.names import ANNOTATION_APPLIED_FIELDS
+from kvtier_operator.names import ANNOTATION_APPLIED_FIELDS
 from tests.helpers import merge
 
 

@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from kvtier_operator.render import names
+from kvtier_operator import names
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS
+from kvtier_operator.engines.vllm.launch import runs_vllm
 from kvtier_operator.render.connector import kv_transfer_json
 from kvtier_operator.render.context import RenderContext
-from kvtier_operator.render.pod import MAX_COMMAND_CHARS, inject, runs_vllm
+from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
-from kvtier_operator.render import names
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject

@@ -7,22 +7,24 @@ import json
 
 import pytest
 
+from kvtier_operator import names
 from kvtier_operator.api.quantity import GIB
-from kvtier_operator.render import names, sizing
-from kvtier_operator.render.connector import (
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.engines.vllm.gpu import (
     KVTIER_CONNECTOR,
     KVTIER_CONNECTOR_MODULE,
     KVTIER_SPEC_MODULE,
     KVTIER_SPEC_NAME,
     KVTIER_TIER_MODULE,
     KVTIER_TIER_TYPE,
-    connector_env,
-    kv_transfer_config,
 )
+from kvtier_operator.engines.vllm.launch import runs_vllm
+from kvtier_operator.render.connector import connector_env, kv_transfer_config
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.objects import render_objects
-from kvtier_operator.render.pod import config_hash, inject, inject_workload, runs_vllm
+from kvtier_operator.render.pod import config_hash, inject, inject_workload
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
 from kvtier_operator.validation import parse_tpc
@@ -207,9 +209,9 @@ def test_worker_processes_of_a_container(container, workers):
 
 def test_router_capacity_from_geometry():
     # Qwen3-32B: 256 KiB/token x 16 tokens = 4 MiB per router block; 100 GiB / 4 MiB.
-    assert sizing.router_lru_capacity(tpc().spec) == 25600
+    assert adapter_for(tpc().spec).router_cpu_blocks(tpc().spec) == 25600
     bigger_blocks = tpc({"router": {"blockSize": 64}}).spec
-    assert sizing.router_lru_capacity(bigger_blocks) == 6400
+    assert adapter_for(bigger_blocks).router_cpu_blocks(bigger_blocks) == 6400
 
 
 # -------------------------------------------------------------- injection

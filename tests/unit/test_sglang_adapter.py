@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvtier_evictor import cli as evictor_cli
-from kvtier_operator.render import sglang_hicache
+from kvtier_operator.engines.sglang import hicache as sglang_hicache
 from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import inject_workload

@@ -24,7 +24,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.sizing import PodSizing
 
 ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
 
@@ -67,6 +67,7 @@ class ExtraVolume:
 class Launcher(ABC):
     """How an engine is started in a container."""
 
+    label: ClassVar[str]  # the engine's name in messages ("vLLM", "SGLang")
     command_words: ClassVar[str]  # how its start reads, for messages ("vllm serve")
 
     @abstractmethod

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 
 from kvtier_operator.api.v1alpha1 import TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter
-from kvtier_operator.engines.sglang_hicache import SglangHicache
-from kvtier_operator.engines.vllm_gpu import VllmLmcache, VllmNative
-from kvtier_operator.engines.vllm_kvbm import VllmKvbm
-from kvtier_operator.engines.vllm_mooncake import VllmMooncakeStore
-from kvtier_operator.engines.vllm_tpu import VllmTpuNative
+from kvtier_operator.engines.sglang.adapter import SglangHicache
+from kvtier_operator.engines.tpu.adapter import VllmTpuNative
+from kvtier_operator.engines.vllm.gpu import VllmLmcache, VllmNative
+from kvtier_operator.engines.vllm.kvbm import VllmKvbm
+from kvtier_operator.engines.vllm.mooncake import VllmMooncakeStore
 
 ADAPTERS: tuple[Adapter, ...] = (
     VllmNative(),

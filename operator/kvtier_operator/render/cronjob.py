@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator import names
 from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1 import CapacitySource, TieredPrefixCache
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.render import names
 from kvtier_operator.render.context import RenderContext
 
 EVICTOR_MOUNT = "/kv-cache"

@@ -13,18 +13,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier_operator import names
 from kvtier_operator.api.quantity import format_bytes, quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.engines.base import Adapter, PodRole
+from kvtier_operator.engines.cmdline import kube_expansion
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.engines.vllm_launch import (  # noqa: F401  (the names callers know)
-    KV_TRANSFER_FLAG,
-    MAX_COMMAND_CHARS,
-    SCRIPT_OPTION,
-    command_line,
-    runs_vllm,
-)
-from kvtier_operator.render import kube_expansion, names
+from kvtier_operator.engines.vllm.launch import SCRIPT_OPTION
 from kvtier_operator.render.context import RenderContext
 
 FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
@@ -115,7 +111,7 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]
             "model-server container"
         )
     listed = ", ".join(c.get("name", "?") for c in found)
-    what = "vLLM" if role == PodRole.server else "a multi-host worker"
+    what = launcher.label if role == PodRole.server else "a multi-host worker"
     return None, role, f"several containers run {what} ({listed}); set spec.containerName"
 
 

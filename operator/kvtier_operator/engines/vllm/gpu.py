@@ -14,9 +14,10 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCacheSpec,
 )
 from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VLLM, command_line
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.engines.sizing import PodSizing
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.engines.vllm.launch import VLLM
 
 # The kvtier storage tier, loaded by vLLM's TieringOffloadingSpec from the injected
 # package (sidecar/kvtier_offload/vllm_tier.py defines it).

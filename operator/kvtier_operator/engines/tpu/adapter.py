@@ -10,9 +10,10 @@ from typing import Any, ClassVar
 from kvtier_operator.api.quantity import format_bytes
 from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VllmLauncher, command_line
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.engines.sizing import PodSizing, pinned_process_sizing
+from kvtier_operator.engines.tpu import sizing
+from kvtier_operator.engines.vllm.launch import VllmLauncher
 
 TPU_CONNECTOR = "TPUOffloadConnector"
 TPU_CONNECTOR_MODULE = "tpu_inference.offload.tpu_offload_connector"
@@ -77,7 +78,7 @@ class VllmTpuNative(Adapter):
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
-        return sizing.pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
+        return pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
 
     def group_conflict(self, spec: TieredPrefixCacheSpec, pod: dict[str, Any],
                        workload: dict[str, Any] | None = None) -> str | None:
