@@ -27,7 +27,8 @@ from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.render.connector import kv_transfer_json
+from kvtier_operator.engines.vllm.launch import kv_transfer_json
+from kvtier_operator.render.connector import kv_transfer_config
 from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
 
@@ -171,7 +172,8 @@ async def live(out: Path) -> int:
               f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
               f"{moved['load_gbps']:.2f} GB/s into {volume} on {moved['path']}; "
               f"bit-identical: {moved['identical']}")
-        print(f"(vLLM gets this tier from --kv-transfer-config {kv_transfer_json(tpc)})")
+        options = kv_transfer_json(kv_transfer_config(tpc))
+        print(f"(vLLM gets this tier from --kv-transfer-config {options})")
 
         say("5. the evictor CronJob's run, against that volume")
         capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full

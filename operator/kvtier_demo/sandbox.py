@@ -16,9 +16,9 @@ import kopf
 from kmock import ResourceInfo
 from kubernetes import client
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.gateway import Gateway
 from kvtier_operator.handlers import OperatorConfig, register
-from kvtier_operator.render.context import RenderContext
 
 CRUD = {"list", "watch", "get", "patch", "create", "delete", "update"}
 RESOURCES = {

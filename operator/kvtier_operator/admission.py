@@ -21,7 +21,7 @@ from kvtier_operator import KIND, names
 from kvtier_operator.api.v1alpha1 import LabelSelector
 from kvtier_operator.cache_registry import CacheLookup
 from kvtier_operator.conflict_log import ConflictLog
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import InvalidResource, immutable, parse_tpc
 

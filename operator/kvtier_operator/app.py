@@ -9,13 +9,13 @@ import kopf
 from kubernetes import client, config
 from prometheus_client import start_http_server
 
-from kvtier_operator.gateway import Gateway
-from kvtier_operator.handlers import OperatorConfig, register
-from kvtier_operator.render.context import (
+from kvtier_operator.context import (
     DEFAULT_OPERATOR_IMAGE,
     DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
+from kvtier_operator.gateway import Gateway
+from kvtier_operator.handlers import OperatorConfig, register
 from kvtier_operator.webhook import register_server
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import yaml
 
-from kvtier_operator.loading import load_documents, split_tpcs
-from kvtier_operator.render.context import (
+from kvtier_operator.context import (
     DEFAULT_OPERATOR_IMAGE,
     DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
+from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
 from kvtier_operator.validation import InvalidResource, parse_tpc

@@ -22,10 +22,10 @@ import kopf
 from kvtier_operator import GROUP, PLURAL, VERSION, metrics, names
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
+from kvtier_operator.context import RenderContext
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.reconcile import Outcome, reconcile
-from kvtier_operator.render.context import RenderContext
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)

@@ -13,10 +13,10 @@ from typing import Any
 from kvtier_operator import names
 from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1 import DeletePolicy, RolloutPolicy, TieredPrefixCache
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import EvictorRun, PodView
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvtier_demo import sandbox
 from kvtier_demo.sandbox import TPC, gateway_for, setup
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 
 __all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "reconciles", "setup",
            "until"]

@@ -12,9 +12,9 @@ import yaml
 from kvtier_demo.samples import sample_workload
 from kvtier_operator import names
 from kvtier_operator.api.quantity import MIB, quantity_bytes
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import ADAPTERS, adapter_for
 from kvtier_operator.engines.sizing import PROCESS_HEADROOM_BYTES
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject, inject_workload
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE

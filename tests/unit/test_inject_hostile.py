@@ -19,8 +19,8 @@ import pytest
 
 from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.context import RenderContext
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod

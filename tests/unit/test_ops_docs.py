@@ -8,8 +8,8 @@ import re
 import pytest
 import yaml
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.docgen import reference
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT

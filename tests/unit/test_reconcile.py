@@ -9,10 +9,10 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains, controlled_by
 from kvtier_operator.observe import pod_view
 from kvtier_operator.reconcile import reconcile
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.status import Cond, conditions
 from kvtier_operator.validation import parse_tpc

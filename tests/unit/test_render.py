@@ -9,6 +9,7 @@ import pytest
 
 from kvtier_operator import names
 from kvtier_operator.api.quantity import GIB
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.engines.vllm import sizing
 from kvtier_operator.engines.vllm.gpu import (
@@ -21,7 +22,6 @@ from kvtier_operator.engines.vllm.gpu import (
 )
 from kvtier_operator.engines.vllm.launch import runs_vllm
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import config_hash, inject, inject_workload

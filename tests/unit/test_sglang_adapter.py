@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kvtier_evictor import cli as evictor_cli
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.sglang import hicache as sglang_hicache
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import inject_workload
 from kvtier_operator.render.router import endpoint_picker_config

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.cmdline import kube_expansion, shell
 from kvtier_operator.engines.cmdline.argv import program_start
 from kvtier_operator.engines.vllm import entry as vllm_entry
 from kvtier_operator.engines.vllm.entry import ENTRY_POINT as VLLM_ENTRY
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod

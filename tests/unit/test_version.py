@@ -13,7 +13,7 @@ import yaml
 import kvtier_evictor
 import kvtier_offload
 from kvtier_operator import __version__
-from kvtier_operator.render.context import DEFAULT_OPERATOR_IMAGE, DEFAULT_SIDECAR_IMAGE
+from kvtier_operator.context import DEFAULT_OPERATOR_IMAGE, DEFAULT_SIDECAR_IMAGE
 from tests.helpers import ROOT
 
 

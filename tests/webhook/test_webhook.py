@@ -18,7 +18,7 @@ import yaml
 from kvtier_demo.certs import make_certs
 from kvtier_demo.samples import VLLM_GPU, sample_workload
 from kvtier_operator import names
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 from kvtier_operator.webhook import (
     MUTATE_PATH,
     VALIDATE_PATH,

@@ -68,6 +68,9 @@ class Launcher(ABC):
     """How an engine is started in a container."""
 
     label: ClassVar[str]  # the engine's name in messages ("vLLM", "SGLang")
+    # Text the launcher writes into a `sh -c` script that no spec field shows: part of the
+    # config hash, so a change to it restarts pods.
+    script_option: ClassVar[str]
     command_words: ClassVar[str]  # how its start reads, for messages ("vllm serve")
 
     @abstractmethod
@@ -145,6 +148,11 @@ class Adapter(ABC):
         spec, or None. `workload`: the workload whose template `pod` is (kvtier render),
         else `pod` is a real pod (the webhook)."""
         return None
+
+    def fingerprint(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        """The config hash's inputs beyond the pod plan's (plan.py): what the launcher
+        writes that no spec field shows, and settings that only this engine reads."""
+        return {"scriptOption": self.launcher.script_option}
 
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []

@@ -5,9 +5,11 @@ engine is the engines' knowledge (engines/registry.py), checked by validation/."
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import cached_property
 
 from pydantic import Field
 
+from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1.fields import (
     ENUM_BOUND,
     ApiModel,
@@ -61,6 +63,12 @@ class TpuSettings(ApiModel):
         "memory (TPU_OFFLOAD_NUM_STAGING_BLOCKS, in blocks of pageSize tokens); default "
         "tpu-inference's 128 blocks. It comes out of the HBM the KV cache could use.",
     )
+
+
+    @cached_property
+    def staging_bytes(self) -> int | None:
+        """stagingSize in bytes, parsed once; None when unset."""
+        return None if self.staging_size is None else quantity_bytes(self.staging_size)
 
 
 class ServiceRef(ApiModel):

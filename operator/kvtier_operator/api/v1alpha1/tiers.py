@@ -4,6 +4,7 @@ file tier on a PersistentVolumeClaim)."""
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import cached_property
 from typing import Literal, TypeAlias
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -38,8 +39,9 @@ class CpuTier(ApiModel):
         "memory request and /dev/shm grow by this much (see docs/sizing.md)."
     )
 
-    @property
+    @cached_property
     def bytes(self) -> int:
+        """size in bytes, parsed once."""
         return quantity_bytes(self.size)
 
 
@@ -157,6 +159,11 @@ class StorageTier(ApiModel):
         if value is not None and quantity_bytes(value) < MIB:
             raise ValueError(f"{value!r} is too small to stage a KV block; use e.g. 1Gi")
         return value
+
+    @cached_property
+    def staging_bytes(self) -> int | None:
+        """stagingSize in bytes, parsed once; None when unset."""
+        return None if self.staging_size is None else quantity_bytes(self.staging_size)
 
     @property
     def file_tokens(self) -> int:

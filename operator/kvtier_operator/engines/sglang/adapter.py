@@ -35,6 +35,10 @@ class SglangLauncher(Launcher):
     into flags per container (--hicache-size depends on its ranks)."""
 
     label: ClassVar[str] = "SGLang"
+    # SGLang's flags are plain words (hashed through the options); this is the text the
+    # config hash has carried for SGLang pods since it was vLLM's for every engine: kept,
+    # so running SGLang pods keep their hash.
+    script_option: ClassVar[str] = ' --kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"'
     command_words: ClassVar[str] = "'sglang serve' or 'python3 -m sglang.launch_server'"
 
     def runs_server(self, container: dict[str, Any]) -> bool:

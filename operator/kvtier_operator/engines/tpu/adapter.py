@@ -62,6 +62,11 @@ class VllmTpuNative(Adapter):
                 f"spec.tpu.stagingSize {spec.tpu.staging_size} holds no block (one block = "
                 f"tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
 
+    def fingerprint(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        tpu = tpc.spec.tpu
+        assert tpu is not None  # validation requires the block
+        return super().fingerprint(tpc) | {"tpu": tpu.model_dump(mode="json")}
+
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         # No kv_connector_extra_config: the connector reads env only.
         return {"kv_connector": TPU_CONNECTOR, "kv_connector_module_path": TPU_CONNECTOR_MODULE,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCacheSpec
 
 # tpu-inference's TPUOffloadConnector: one CPU chunk is one vLLM block (page) of the TPU
@@ -25,9 +24,9 @@ def tpu_cpu_chunks(spec: TieredPrefixCacheSpec) -> int:
 def tpu_staging_blocks(spec: TieredPrefixCacheSpec) -> int:
     """TPU_OFFLOAD_NUM_STAGING_BLOCKS: whole blocks in tpu.stagingSize, else the default."""
     assert spec.tpu is not None
-    if spec.tpu.staging_size is None:
+    if spec.tpu.staging_bytes is None:
         return TPU_DEFAULT_STAGING_BLOCKS
-    return quantity_bytes(spec.tpu.staging_size) // tpu_chunk_bytes(spec)
+    return spec.tpu.staging_bytes // tpu_chunk_bytes(spec)
 
 
 def tpu_host_bytes(spec: TieredPrefixCacheSpec) -> int:

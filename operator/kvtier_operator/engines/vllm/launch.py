@@ -112,6 +112,7 @@ class VllmLauncher(Launcher):
     options: the --kv-transfer-config dict."""
 
     label: ClassVar[str] = "vLLM"
+    script_option: ClassVar[str] = SCRIPT_OPTION
     command_words: ClassVar[str] = "'vllm serve' or vLLM's OpenAI server module"
 
     def runs_server(self, container: dict[str, Any]) -> bool:

@@ -57,9 +57,9 @@ def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
 def staging_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Pinned staging of one vLLM worker process without a CPU tier (max_staging_bytes)."""
     storage = spec.storage
-    if storage is None or storage.staging_size is None:
+    if storage is None or storage.staging_bytes is None:
         return GPU_DIRECT_STAGING_BYTES
-    return quantity_bytes(storage.staging_size)
+    return storage.staging_bytes
 
 
 _WORD = re.compile(r"[^\s'\"]+")

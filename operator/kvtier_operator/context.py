@@ -1,4 +1,5 @@
-"""Operator-level settings the renderers need (images), passed in rather than read."""
+"""Operator-level settings the pod plan and the renderers need (images), passed in rather
+than read."""
 
 from __future__ import annotations
 
