@@ -9,6 +9,7 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
+from kvtier_operator.api.v1alpha1 import TieredPrefixCacheStatus
 from kvtier_operator.context import RenderContext
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains, controlled_by
 from kvtier_operator.observe import pod_view
@@ -148,7 +149,7 @@ def test_a_refused_search_for_old_router_configmaps_is_reported():
     gw.refuse["list", "ConfigMap"] = ApiRejected(
         403, "Forbidden", 'cannot list resource "configmaps"', "ConfigMaps in ml")
     outcome = run(gw, body({"router": {"enabled": True, "configMapName": "epp"}}))
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert cond["reason"] == "RouterConfigRejected"
     assert 'cannot list resource "configmaps"' in cond["message"]
     assert not outcome.ok
@@ -185,7 +186,7 @@ def test_resize_refused_is_reported_not_raised():
     gw.refuse["patch", "PersistentVolumeClaim"] = ApiRejected(
         403, "Forbidden", "only dynamically provisioned pvc can be resized", "PVC ml/x")
     outcome = run(gw, body({"storage": {"pvc": {"size": "2Ti"}}}))
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "StorageReady")
     assert cond["status"] == "True" and cond["reason"] == "BoundWithWarnings"
     assert "only dynamically provisioned pvc can be resized" in cond["message"]
     assert any(e[1] == "ResizeRefused" for e in outcome.events)
@@ -196,10 +197,10 @@ def test_claim_rejected_on_create():
     gw.refuse["create", "PersistentVolumeClaim"] = ApiRejected(
         422, "Invalid", 'spec.storageClassName: Invalid value: "Lustre"', "PVC ml/cache-kv-cache")
     outcome = run(gw, body())
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "StorageReady")
     assert cond["reason"] == "ClaimRejected" and "Lustre" in cond["message"]
     assert not outcome.ok
-    ready = outcome.status["conditions"][0]
+    ready = outcome.status_doc["conditions"][0]
     assert ready["status"] == "False" and "StorageReady" in ready["message"]
 
 
@@ -235,7 +236,7 @@ def test_a_cache_never_deletes_or_adopts_what_it_does_not_control():
     # the cache cannot garbage-collect it)
     outcome = run(gw, body({"router": {"enabled": True, "configMapName": "app-config"}}))
     assert gw.store["ConfigMap", "ml", "app-config"] == before["ConfigMap", "ml", "app-config"]
-    cond = next(c for c in outcome.status["conditions"] if c["reason"] == "RouterConfigRejected")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["reason"] == "RouterConfigRejected")
     assert "not controlled by this TieredPrefixCache" in cond["message"]
     assert not outcome.ok
 
@@ -243,13 +244,27 @@ def test_a_cache_never_deletes_or_adopts_what_it_does_not_control():
 def test_conditions_keep_transition_time_while_status_holds():
     first = conditions({t: Cond("False", "X") for t in ("Ready", "StorageReady", "Injected",
                                                           "EvictorHealthy")}, None, 1, "t1")
+    # The live object's conditions, as the API returns them (camelCase JSON).
+    live = [c.model_dump(mode="json", by_alias=True, exclude_unset=True) for c in first]
     second = conditions({"Ready": Cond("False", "Y"), "StorageReady": Cond("True", "Bound"),
                          "Injected": Cond("False", "X"), "EvictorHealthy": Cond("False", "X")},
-                        first, 2, "t2")
-    by = {c["type"]: c for c in second}
-    assert by["Ready"]["lastTransitionTime"] == "t1"  # reason changed, status did not
-    assert by["StorageReady"]["lastTransitionTime"] == "t2"
-    assert all(c["observedGeneration"] == 2 for c in second)
+                        live, 2, "t2")
+    by = {c.type: c for c in second}
+    assert by["Ready"].last_transition_time == "t1"  # reason changed, status did not
+    assert by["StorageReady"].last_transition_time == "t2"
+    assert all(c.observed_generation == 2 for c in second)
+
+
+def test_the_status_is_the_typed_model_the_crd_is_generated_from():
+    outcome = run(FakeGateway(), body())
+    assert isinstance(outcome.status, TieredPrefixCacheStatus)
+    written = outcome.status_doc
+    # What is written round-trips through the model that defines the CRD's status schema.
+    assert TieredPrefixCacheStatus.model_validate(written).model_dump(
+        mode="json", by_alias=True, exclude_unset=True) == written
+    assert set(written) == {"observedGeneration", "conditions", "configHash", "injectedPods",
+                            "pendingPods", "pvc", "usage", "lastEviction"}
+    assert written["usage"] is None  # kept: a merge patch clears a stale value
 
 
 def test_pod_view_reads_what_counting_needs():
@@ -283,9 +298,9 @@ def test_pods_the_server_no_longer_has_are_neither_pending_nor_restarted():
     index = [pod_view(p) for p in (decode_pod("decode-0", "uid-old"), decode_pod("gone", "g"),
                                    live, recreated)]
     outcome = run(gw, doc, index)
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
-    assert outcome.status["pendingPods"] == 0 and outcome.status["injectedPods"] == 2
+    assert outcome.status_doc["pendingPods"] == 0 and outcome.status_doc["injectedPods"] == 2
     assert ("list", "Pod", "llm-d.ai/role=decode") in gw.calls
 
 
@@ -300,13 +315,13 @@ def test_conflicts_of_pods_the_server_no_longer_has_are_dropped():
     gw.store["Pod", "ml", "decode-2"] = decode_pod("decode-2", "uid-c", digest)
     why = "container 'vllm' already passes --kv-transfer-config"
     outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("False", "Conflict")
     assert injected["message"] == f"pod decode-1: {why}"  # not the pod deleted unseen
 
     del gw.store["Pod", "ml", "decode-1"]  # its deletion missed by the index too
     outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
 
 
@@ -316,7 +331,7 @@ def test_pending_pods_the_server_has_stay_pending():
     stale = decode_pod("decode-0", "uid-a")
     gw.store["Pod", "ml", "decode-0"] = stale
     outcome = run(gw, doc, [pod_view(stale)])
-    assert outcome.status["pendingPods"] == 1
+    assert outcome.status_doc["pendingPods"] == 1
 
 
 def test_no_pod_listing_when_nothing_is_pending():
