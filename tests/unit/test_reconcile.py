@@ -9,9 +9,17 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
+from kvtier_demo import ssa
 from kvtier_operator.api.v1alpha1 import TieredPrefixCacheStatus
 from kvtier_operator.context import RenderContext
-from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains, controlled_by
+from kvtier_operator.gateway import (
+    FIELD_MANAGER,
+    ApiRejected,
+    Gateway,
+    RetryableError,
+    contains,
+    controlled_by,
+)
 from kvtier_operator.observe import pod_view
 from kvtier_operator.reconcile import reconcile
 from kvtier_operator.render.pod import config_hash
@@ -57,6 +65,19 @@ class FakeGateway:
     def delete(self, kind, ns, name):
         self.calls.append(("delete", kind, name))
         return self.store.pop((kind, ns, name), None) is not None
+
+    def apply(self, obj):
+        """Server-side apply, emulated as the sandbox does (kvtier_demo/ssa.py): a write
+        only when something changes."""
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        live = self.store.get(key)
+        self._check("create" if live is None else "patch", obj["kind"])
+        result = ssa.apply(copy.deepcopy(live) if live else None, obj, FIELD_MANAGER)
+        if result is None:
+            return copy.deepcopy(live)
+        self.calls.append(("create" if live is None else "patch", key[0], key[2]))
+        self.store[key] = result
+        return copy.deepcopy(result)
 
     def ensure(self, obj):
         return Gateway.ensure(self, obj)  # the real logic over this fake's CRUD
