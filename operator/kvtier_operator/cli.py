@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from kvtier_operator.context import (
+    DEFAULT_OFFLOAD_IMAGE,
     DEFAULT_OPERATOR_IMAGE,
-    DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
 from kvtier_operator.loading import load_documents, split_tpcs
@@ -46,7 +46,7 @@ def _objects(path: str) -> list[dict[str, Any]] | None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    ctx = RenderContext(sidecar_image=args.sidecar_image, evictor_image=args.evictor_image)
+    ctx = RenderContext(offload_image=args.offload_image, evictor_image=args.evictor_image)
     docs = _objects(args.file)
     if docs is None:
         return EXIT_INVALID
@@ -120,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--file", required=True, help="TieredPrefixCache YAML (- = stdin)")
     render.add_argument("--pod", help="a Pod or workload (Deployment, StatefulSet, "
                         "LeaderWorkerSet...) to print as the webhook would mutate it")
-    render.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE)
+    render.add_argument("--offload-image", "--sidecar-image", dest="offload_image",
+                        default=DEFAULT_OFFLOAD_IMAGE,
+                        help="the offload backend's image for the init container "
+                        "(--sidecar-image: its name before 0.2, deprecated)")
     render.add_argument("--evictor-image", default=DEFAULT_OPERATOR_IMAGE)
     render.set_defaults(func=cmd_render)
 

@@ -63,7 +63,7 @@ def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
         "cpu": tpc.spec.cpu_bytes,
         "claim": claim,
         "mountPath": mount_path,
-        "sidecarImage": offload_image,
+        "sidecarImage": offload_image,  # the key's name before 0.2: kept, so is the hash
         "containerName": tpc.spec.container_name,
         **adapter.fingerprint(tpc),
     }
@@ -82,7 +82,7 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
     claim = names.claim_name(tpc)
     mount_path = spec.storage.mount_path if spec.storage else None
     extra = tuple(adapter.extra_volumes(tpc))
-    image = ctx.sidecar_image if adapter.needs_offload_package(spec) else None
+    image = ctx.offload_image if adapter.needs_offload_package(spec) else None
     return PodPlan(
         tpc=tpc, adapter=adapter, launch_options=launch_options,
         server_env=MappingProxyType(server_env), worker_env=MappingProxyType(worker_env),

@@ -22,7 +22,7 @@ def kv_transfer_json(t):
     """The --kv-transfer-config JSON vLLM gets for a cache."""
     return _json(kv_transfer_config(t))
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 OPTION = '--kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"'
 
 

@@ -25,7 +25,7 @@ from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 SECRET = "hf_SECRET_VALUE"  # what the kubelet would put in for the HF_TOKEN secret
 MARK = "PWNED"  # every payload tries to create this file in the working directory
 

@@ -119,10 +119,10 @@ def test_rule_names_field_and_fix(patch, field, needle):
     assert needle in text, text
 
 
-def test_no_cpu_tier_means_gpu_direct():
+def test_no_cpu_tier_means_no_cpu_tier():
     s = parse_tpc(merge(BASE_TPC, {"spec": {"cpu": None}})).spec
-    assert s.gpu_direct and s.cpu_bytes == 0 and adapter_for(s).storage_backend(s) == StorageBackend.kvtier
-    assert not parse_tpc(BASE_TPC).spec.gpu_direct
+    assert s.no_cpu_tier and s.cpu_bytes == 0 and adapter_for(s).storage_backend(s) == StorageBackend.kvtier
+    assert not parse_tpc(BASE_TPC).spec.no_cpu_tier
 
 
 def test_name_too_long_for_cronjob():

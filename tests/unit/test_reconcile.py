@@ -423,8 +423,10 @@ def test_contains_compares_what_we_own():
 def test_operator_config_from_env():
     from kvtier_operator.app import config_from_env
 
-    cfg = config_from_env({"KVTIER_SIDECAR_IMAGE": "r/s:1", "KVTIER_OPERATOR_IMAGE": "r/o:1",
+    old_name = config_from_env({"KVTIER_SIDECAR_IMAGE": "r/old:1"})
+    assert old_name.render.offload_image == "r/old:1"  # the deprecated name still works
+    cfg = config_from_env({"KVTIER_OFFLOAD_IMAGE": "r/s:1", "KVTIER_OPERATOR_IMAGE": "r/o:1",
                            "KVTIER_DRIFT_INTERVAL_SECONDS": "30"})
-    assert (cfg.render.sidecar_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
+    assert (cfg.render.offload_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
     assert cfg.drift_interval == 30.0
     assert parse_tpc(tpc_doc())  # sanity: the fixtures parse

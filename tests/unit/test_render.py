@@ -30,7 +30,7 @@ from kvtier_operator.render.router import endpoint_picker_config, render_router_
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 
 
 def tpc(spec=None, **meta):
@@ -103,7 +103,7 @@ def test_native_cpu_plus_kvtier():
     }]
 
 
-def test_native_gpu_direct_uses_kvtiers_own_connector_and_spec_and_recomputes():
+def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes():
     t = tpc({"cpu": None, "storage": {"readThreads": 8, "writeThreads": 4}})
     assert kv_transfer_config(t) == {
         "kv_connector": KVTIER_CONNECTOR, "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
@@ -111,7 +111,7 @@ def test_native_gpu_direct_uses_kvtiers_own_connector_and_spec_and_recomputes():
         "kv_connector_extra_config": {
             "spec_name": KVTIER_SPEC_NAME, "spec_module_path": KVTIER_SPEC_MODULE,
             "root_dir": "/mnt/files-storage", "n_read_threads": 8, "n_write_threads": 4,
-            "max_staging_bytes": sizing.GPU_DIRECT_STAGING_BYTES},
+            "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES},
     }
     assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
     assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
@@ -163,18 +163,18 @@ def test_sizing_lmcache_keeps_tier_out_of_shm():
     assert s.memory_increase_bytes == 103 * GIB
 
 
-def test_sizing_gpu_direct_counts_pinned_staging_not_shm():
+def test_sizing_no_cpu_tier_counts_pinned_staging_not_shm():
     spec = tpc({"cpu": None}).spec
     assert sizing.io_buffer_bytes(spec) == 0  # staging rows are written in place
     s = sizing.pod_sizing(spec, None)
     assert s.shm_bytes == 2 * GIB  # base only: no tier in /dev/shm
-    assert s.memory_increase_bytes == 2 * GIB + sizing.GPU_DIRECT_STAGING_BYTES + GIB
+    assert s.memory_increase_bytes == 2 * GIB + sizing.NO_CPU_TIER_STAGING_BYTES + GIB
     kept = sizing.pod_sizing(spec, 20 * GIB)
     assert kept.shm_bytes == 20 * GIB
-    assert kept.memory_increase_bytes == sizing.GPU_DIRECT_STAGING_BYTES + GIB
+    assert kept.memory_increase_bytes == sizing.NO_CPU_TIER_STAGING_BYTES + GIB
 
 
-def test_gpu_direct_staging_size_from_the_cr_per_worker_process():
+def test_no_cpu_tier_staging_size_from_the_cr_per_worker_process():
     t = tpc({"cpu": None, "storage": {"stagingSize": "256Mi"}})
     assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 << 20
     one = sizing.pod_sizing(t.spec, 20 * GIB)
@@ -257,7 +257,7 @@ def test_inject_vllm_fs_has_no_init_container_or_pythonpath():
     assert "PYTHONPATH" not in env_of(c_pod["spec"]["containers"][0])
 
 
-def test_inject_gpu_direct_mounts_claim_and_backend_but_no_tier():
+def test_inject_no_cpu_tier_mounts_claim_and_backend_but_no_tier():
     t = tpc({"cpu": None})
     c_pod = inject(t, vllm_pod(resources={"requests": {"memory": "100Gi"}}), CTX).pod
     c = c_pod["spec"]["containers"][0]
@@ -394,7 +394,7 @@ def test_config_hash_tracks_what_pods_carry():
     base = config_hash(tpc(), CTX)
     assert base == config_hash(tpc(), CTX)
     assert base != config_hash(tpc({"cpu": {"size": "50Gi"}}), CTX)
-    assert base != config_hash(tpc(), RenderContext(sidecar_image="reg/other:2"))
+    assert base != config_hash(tpc(), RenderContext(offload_image="reg/other:2"))
     # eviction settings never reach the pod: changing them must not restart model servers
     assert base == config_hash(tpc({"eviction": {"highWatermark": 95}}), CTX)
 

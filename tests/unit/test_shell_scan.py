@@ -16,7 +16,7 @@ from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 OPTION = " OPT"
 
 

@@ -31,7 +31,7 @@ from kvtier_operator.webhook import (
 )
 from tests.helpers import EXAMPLES, tpc_doc
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1")
 K8S = kubernetes_validate.latest_version()
 CR_EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))}
 CR_EXAMPLES = {n: d for n, d in CR_EXAMPLES.items() if d["kind"] == "TieredPrefixCache"}

@@ -141,7 +141,7 @@ class TieredPrefixCacheSpec(ApiModel):
         return self
 
     @property
-    def gpu_direct(self) -> bool:
+    def no_cpu_tier(self) -> bool:
         """No CPU tier: kvtier's own offloading spec moves GPU blocks to and from files."""
         return self.cpu is None
 

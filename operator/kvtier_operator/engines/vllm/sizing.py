@@ -22,7 +22,7 @@ from kvtier_operator.engines.sizing import (
 # Without a CPU tier: the pinned staging buffers of kvtier's offloading worker (its
 # max_staging_bytes), which hold the KV pages of the transfers in flight. Every vLLM
 # worker process (one per GPU) pins its own; spec.storage.stagingSize overrides it.
-GPU_DIRECT_STAGING_BYTES = 1 * GIB
+NO_CPU_TIER_STAGING_BYTES = 1 * GIB
 # vLLM flags whose product is the worker processes of one engine, where the container
 # does not say how many GPUs it has.
 PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
@@ -47,7 +47,7 @@ def native_backend(spec: TieredPrefixCacheSpec) -> StorageBackend | None:
 def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Bounce buffers of the kvtier backend: one chunk per I/O thread. Without a CPU tier
     the worker's aligned staging rows are written and read in place: none."""
-    if native_backend(spec) != StorageBackend.kvtier or spec.gpu_direct:
+    if native_backend(spec) != StorageBackend.kvtier or spec.no_cpu_tier:
         return 0
     assert spec.storage is not None
     threads = spec.storage.read_threads + spec.storage.write_threads
@@ -58,7 +58,7 @@ def staging_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Pinned staging of one vLLM worker process without a CPU tier (max_staging_bytes)."""
     storage = spec.storage
     if storage is None or storage.staging_bytes is None:
-        return GPU_DIRECT_STAGING_BYTES
+        return NO_CPU_TIER_STAGING_BYTES
     return storage.staging_bytes
 
 
@@ -95,7 +95,7 @@ def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
     worker processes in the container (worker_processes), each with its own staging."""
     cpu = spec.cpu_bytes
     before = existing_shm_bytes or 0
-    if spec.gpu_direct:
+    if spec.no_cpu_tier:
         # Nothing in /dev/shm: each worker's staging is pinned process memory.
         shm = before or SHM_BASE_BYTES
         staging = staging_bytes(spec) * max(1, workers)
