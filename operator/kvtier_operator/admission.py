@@ -23,7 +23,7 @@ from kvtier_operator.cache_registry import CacheLookup
 from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.context import RenderContext
 from kvtier_operator.render.pod import inject
-from kvtier_operator.validation import InvalidResource, immutable, parse_tpc
+from kvtier_operator.validation import InvalidResource, deprecations, immutable, parse_tpc
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-tieredprefixcaches"
@@ -312,7 +312,7 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
             f"spec.selector may select the same pods as {', '.join(overlapping)} in namespace "
             f"{tpc.namespace}; a pod can belong to one TieredPrefixCache only: add a label "
             "that tells them apart (e.g. llm-d.ai/role) to both selectors"))
-    return _response(uid)
+    return _response(uid, warnings=[f"kvtier: {w}" for w in deprecations(tpc)])
 
 
 def validate_tpc(review: Any, caches: CacheLookup) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from kvtier_operator.status import (
     ready_condition,
     status_doc,
 )
-from kvtier_operator.validation import InvalidResource, parse_tpc
+from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
 
 
 @dataclass
@@ -236,7 +236,8 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     except InvalidResource as err:
         return Outcome(status=invalid_status(body, err, now),
                        events=[("Warning", "InvalidSpec", str(err))], ok=False)
-    events: list[tuple[str, str, str]] = []
+    events: list[tuple[str, str, str]] = [
+        ("Warning", "DeprecatedField", message) for message in deprecations(tpc)]
     prerequisites = check_prerequisites(tpc, gw)
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",

@@ -280,7 +280,7 @@ REFUSED = [
     ({"tpu": {"pageSize": 16}}, "spec.tpu applies only to engine vllm-tpu"),
     ({**TPU, "cpu": None}, "spec.cpu is required with engine vllm-tpu"),
     ({**TPU, "cpu": {"size": "16Mi"}}, "spec.cpu.size 16Mi holds no TPU chunk"),
-    ({**TPU, "tpu": {"pageSize": 128, "stagingSize": "16Mi"}}, "spec.tpu.stagingSize"),
+    ({**TPU, "tpu": {"pageSize": 128, "stagingSize": "16Mi"}}, "spec.tpu.hbmStagingSize"),
     ({**MOONCAKE, "mooncake": None}, "spec.mooncake is required with engine vllm and "
      "connector mooncake-store"),
     ({**MOONCAKE, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: engine vllm and "

@@ -430,3 +430,12 @@ def test_operator_config_from_env():
     assert (cfg.render.offload_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
     assert cfg.drift_interval == 30.0
     assert parse_tpc(tpc_doc())  # sanity: the fixtures parse
+
+
+def test_a_deprecated_field_name_is_reconciled_alike_and_reported_as_a_warning_event():
+    old = run(FakeGateway(), body({"cpu": None, "storage": {"stagingSize": "2Gi"}}))
+    new = run(FakeGateway(), body({"cpu": None, "storage": {"hostStagingSize": "2Gi"}}))
+    assert old.status_doc["configHash"] == new.status_doc["configHash"]
+    assert ("Warning", "DeprecatedField", "spec.storage.stagingSize is deprecated: rename it "
+            "hostStagingSize (the same setting)") in old.events
+    assert not [e for e in new.events if e[1] == "DeprecatedField"]

@@ -27,7 +27,7 @@ from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import config_hash, inject, inject_workload
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
-from kvtier_operator.validation import parse_tpc
+from kvtier_operator.validation import deprecations, parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
 CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
@@ -174,6 +174,16 @@ def test_sizing_no_cpu_tier_counts_pinned_staging_not_shm():
     assert kept.memory_increase_bytes == sizing.NO_CPU_TIER_STAGING_BYTES + GIB
 
 
+@pytest.mark.parametrize("name", ["hostStagingSize", "stagingSize"])
+def test_host_staging_size_and_its_deprecated_name_stage_alike(name):
+    t = tpc({"cpu": None, "storage": {name: "256Mi"}})
+    assert t.spec.storage.staging_bytes == 256 * 2**20
+    assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 * 2**20
+    warned = deprecations(t)
+    assert warned == (["spec.storage.stagingSize is deprecated: rename it hostStagingSize "
+                       "(the same setting)"] if name == "stagingSize" else [])
+
+
 def test_no_cpu_tier_staging_size_from_the_cr_per_worker_process():
     t = tpc({"cpu": None, "storage": {"stagingSize": "256Mi"}})
     assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 << 20
@@ -184,7 +194,10 @@ def test_no_cpu_tier_staging_size_from_the_cr_per_worker_process():
 
 
 @pytest.mark.parametrize(("patch", "needle"), [
-    ({"storage": {"stagingSize": "1Gi"}}, "spec.storage.stagingSize applies without a CPU tier"),
+    ({"storage": {"stagingSize": "1Gi"}}, "spec.storage.hostStagingSize applies without a CPU"),
+    ({"storage": {"hostStagingSize": "1Gi"}}, "spec.storage.hostStagingSize applies without a CPU"),
+    ({"cpu": None, "storage": {"stagingSize": "1Gi", "hostStagingSize": "1Gi"}},
+     "stagingSize is hostStagingSize's deprecated name"),
     ({"cpu": None, "storage": {"stagingSize": "4Ki"}}, "too small to stage a KV block"),
 ])
 def test_staging_size_is_refused_where_it_means_nothing(patch, needle):

@@ -387,3 +387,20 @@ def test_diff_patch_applies_with_an_independent_implementation(src, dst):
     from kvtier_operator.webhook import diff_patch
 
     assert jsonpatch.apply_patch(copy.deepcopy(src), diff_patch(src, dst)) == dst
+
+
+@pytest.mark.parametrize(("spec", "warning"), [
+    ({"cpu": None, "storage": {"stagingSize": "2Gi"}},
+     "kvtier: spec.storage.stagingSize is deprecated: rename it hostStagingSize"),
+    ({"cpu": None, "storage": {"hostStagingSize": "2Gi"}}, None),
+    ({"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128, "stagingSize": "512Mi"}},
+     "kvtier: spec.tpu.stagingSize is deprecated: rename it hbmStagingSize"),
+    ({"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128,
+                                                       "hbmStagingSize": "512Mi"}}, None),
+])
+async def test_a_deprecated_field_name_is_accepted_with_a_warning(webhook, spec, warning):
+    _, answer = await webhook.post(VALIDATE_PATH, review(tpc_doc(spec, name="d",
+                                                                  namespace="llm-d")))
+    r = answer["response"]
+    assert r["allowed"] is True
+    assert [w.split(" (")[0] for w in r.get("warnings", [])] == ([warning] if warning else [])

@@ -55,6 +55,13 @@ def error_messages(err: ValidationError) -> list[str]:
     return messages
 
 
+def deprecations(tpc: TieredPrefixCache) -> list[str]:
+    """Fields set under a deprecated name (read as before): what to rename. The webhook
+    returns them as warnings (kubectl prints them), the reconcile as Warning events."""
+    return [f"{old} is deprecated: rename it {new} (the same setting)"
+            for old, new in tpc.spec.deprecated_fields()]
+
+
 def parse_tpc(doc: dict[str, Any]) -> TieredPrefixCache:
     name = str(((doc or {}).get("metadata") or {}).get("name", "<unnamed>"))
     try:

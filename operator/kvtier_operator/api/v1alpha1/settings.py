@@ -7,7 +7,7 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import cached_property
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1.fields import (
@@ -41,7 +41,15 @@ class Connector(StrEnum):
 
 
 
+HBM_STAGING_TWICE = ("spec.tpu: stagingSize is hbmStagingSize's deprecated name; give only "
+                     "hbmStagingSize")
+
+
 class TpuSettings(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.stagingSize) || !has(self.hbmStagingSize)",
+         "message": HBM_STAGING_TWICE}]})
+
     page_size: int = Field(
         ge=1, le=8192,
         description="Tokens per KV block (page) of vLLM on TPU: tpu-inference's offload "
@@ -57,18 +65,34 @@ class TpuSettings(ApiModel):
         "(leaderworkerset.sigs.k8s.io/size) differs, or that has none when hosts > 1, is "
         "left uninjected and reported.",
     )
-    staging_size: Quantity | None = Field(
+    hbm_staging_size: Quantity | None = Field(
         default=None,
         description="HBM per replica set aside to stage blocks between TPU and host "
         "memory (TPU_OFFLOAD_NUM_STAGING_BLOCKS, in blocks of pageSize tokens); default "
         "tpu-inference's 128 blocks. It comes out of the HBM the KV cache could use.",
     )
+    staging_size: Quantity | None = Field(
+        default=None,
+        description="Deprecated: hbmStagingSize's name before 0.2, read the same way; rename "
+        "it hbmStagingSize.",
+    )
 
+    @model_validator(mode="after")
+    def _staging_once(self) -> TpuSettings:
+        if self.hbm_staging_size is not None and self.staging_size is not None:
+            raise ValueError(HBM_STAGING_TWICE.removeprefix("spec.tpu: "))
+        return self
+
+    @property
+    def hbm_staging(self) -> str | None:
+        """hbmStagingSize, or its deprecated name stagingSize."""
+        return self.hbm_staging_size if self.hbm_staging_size is not None \
+            else self.staging_size
 
     @cached_property
     def staging_bytes(self) -> int | None:
-        """stagingSize in bytes, parsed once; None when unset."""
-        return None if self.staging_size is None else quantity_bytes(self.staging_size)
+        """hbmStagingSize in bytes, parsed once; None when unset."""
+        return None if self.hbm_staging is None else quantity_bytes(self.hbm_staging)
 
 
 class ServiceRef(ApiModel):

@@ -24,8 +24,9 @@ from kvtier_operator.api.v1alpha1.settings import (
 from kvtier_operator.api.v1alpha1.tiers import CpuTier, StorageTier
 
 STAGING_WITH_CPU_TIER = (
-    "spec.storage.stagingSize applies without a CPU tier only (kvtier's own staging "
-    "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove stagingSize")
+    "spec.storage.hostStagingSize applies without a CPU tier only (kvtier's own staging "
+    "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove hostStagingSize "
+    "(or its deprecated name stagingSize)")
 BLOCK_SIZE_WITH_CPU_TIER = (
     "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
     "one GPU block; remove blockSize")
@@ -45,7 +46,7 @@ SPEC_RULES: list[dict[str, str]] = [
     },
     {
         "rule": "!has(self.cpu) || !has(self.storage) || "
-        "!has(self.storage.stagingSize)",
+        "(!has(self.storage.hostStagingSize) && !has(self.storage.stagingSize))",
         "message": STAGING_WITH_CPU_TIER,
     },
 ]
@@ -124,7 +125,7 @@ class TieredPrefixCacheSpec(ApiModel):
     @model_validator(mode="after")
     def _staging_without_cpu_tier(self) -> TieredPrefixCacheSpec:
         if self.cpu is not None and self.storage is not None and (
-                self.storage.staging_size is not None):
+                self.storage.host_staging is not None):
             raise ValueError(STAGING_WITH_CPU_TIER)
         return self
 
@@ -139,6 +140,15 @@ class TieredPrefixCacheSpec(ApiModel):
                 "existingClaim has no size kvtier knows; use capacity Filesystem or pvc"
             )
         return self
+
+    def deprecated_fields(self) -> list[tuple[str, str]]:
+        """(field given under a deprecated name, its name now), read as before."""
+        found = []
+        if self.storage is not None and self.storage.staging_size is not None:
+            found.append(("spec.storage.stagingSize", "hostStagingSize"))
+        if self.tpu is not None and self.tpu.staging_size is not None:
+            found.append(("spec.tpu.stagingSize", "hbmStagingSize"))
+        return found
 
     @property
     def no_cpu_tier(self) -> bool:

@@ -20,6 +20,8 @@ from kvtier_operator.api.v1alpha1.fields import (
 )
 
 DEFAULT_FILE_TOKENS = 256  # storage.blockSize when unset
+HOST_STAGING_TWICE = ("spec.storage: stagingSize is hostStagingSize's deprecated name; give "
+                      "only hostStagingSize")
 
 
 class StorageBackend(StrEnum):
@@ -109,6 +111,10 @@ class StorageTier(ApiModel):
                     "message": "spec.storage needs exactly one of pvc (a new claim) or "
                     "existingClaim (the name of one you manage)",
                 },
+                {
+                    "rule": "!has(self.stagingSize) || !has(self.hostStagingSize)",
+                    "message": HOST_STAGING_TWICE,
+                },
             ]
         }
     )
@@ -145,25 +151,42 @@ class StorageTier(ApiModel):
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
         "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
     )
-    staging_size: Quantity | None = Field(
+    host_staging_size: Quantity | None = Field(
         default=None,
         description="Without a CPU tier only: the pinned host memory each vLLM worker process "
         "(one per GPU) uses to stage KV pages between GPU and files (kvtier's "
         "max_staging_bytes); default 1Gi. The pod's memory request grows by this much per "
         "worker process (see docs/sizing.md).",
     )
+    staging_size: Quantity | None = Field(
+        default=None,
+        description="Deprecated: hostStagingSize's name before 0.2, read the same way; "
+        "rename it hostStagingSize.",
+    )
 
-    @field_validator("staging_size")
+    @field_validator("host_staging_size", "staging_size")
     @classmethod
     def _staging_size(cls, value: str | None) -> str | None:
         if value is not None and quantity_bytes(value) < MIB:
             raise ValueError(f"{value!r} is too small to stage a KV block; use e.g. 1Gi")
         return value
 
+    @model_validator(mode="after")
+    def _staging_once(self) -> StorageTier:
+        if self.host_staging_size is not None and self.staging_size is not None:
+            raise ValueError(HOST_STAGING_TWICE.removeprefix("spec.storage: "))
+        return self
+
+    @property
+    def host_staging(self) -> str | None:
+        """hostStagingSize, or its deprecated name stagingSize."""
+        return self.host_staging_size if self.host_staging_size is not None \
+            else self.staging_size
+
     @cached_property
     def staging_bytes(self) -> int | None:
-        """stagingSize in bytes, parsed once; None when unset."""
-        return None if self.staging_size is None else quantity_bytes(self.staging_size)
+        """hostStagingSize in bytes, parsed once; None when unset."""
+        return None if self.host_staging is None else quantity_bytes(self.host_staging)
 
     @property
     def file_tokens(self) -> int:

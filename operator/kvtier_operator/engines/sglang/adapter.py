@@ -109,7 +109,9 @@ class SglangHicache(Adapter):
                              "1 GB, the smallest HiCache size SGLang takes per rank; raise it")
         s = spec.storage
         if s is not None:
-            for field, value in (("blockSize", s.block_size), ("stagingSize", s.staging_size),
+            for field, value in (("blockSize", s.block_size),
+                                 ("hostStagingSize", s.host_staging_size),
+                                 ("stagingSize", s.staging_size),
                                  ("maxSizePerReplica", s.max_size_per_replica)):
                 if value is not None:
                     raise ValueError(

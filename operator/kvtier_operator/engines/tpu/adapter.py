@@ -56,16 +56,19 @@ class VllmTpuNative(Adapter):
             raise ValueError(
                 f"spec.cpu.size {spec.cpu.size if spec.cpu else 0} holds no TPU chunk (one "
                 f"chunk = tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
-        if spec.tpu is not None and spec.tpu.staging_size is not None and \
+        if spec.tpu is not None and spec.tpu.hbm_staging is not None and \
                 sizing.tpu_staging_blocks(spec) < 1:
             raise ValueError(
-                f"spec.tpu.stagingSize {spec.tpu.staging_size} holds no block (one block = "
+                f"spec.tpu.hbmStagingSize {spec.tpu.hbm_staging} holds no block (one block = "
                 f"tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
 
     def fingerprint(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         tpu = tpc.spec.tpu
         assert tpu is not None  # validation requires the block
-        return super().fingerprint(tpc) | {"tpu": tpu.model_dump(mode="json")}
+        # The shape config hashes have carried (the field's name before 0.2), whichever
+        # name the spec uses: running pods keep their hash.
+        return super().fingerprint(tpc) | {"tpu": {
+            "page_size": tpu.page_size, "hosts": tpu.hosts, "staging_size": tpu.hbm_staging}}
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         # No kv_connector_extra_config: the connector reads env only.

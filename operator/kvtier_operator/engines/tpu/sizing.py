@@ -22,7 +22,7 @@ def tpu_cpu_chunks(spec: TieredPrefixCacheSpec) -> int:
 
 
 def tpu_staging_blocks(spec: TieredPrefixCacheSpec) -> int:
-    """TPU_OFFLOAD_NUM_STAGING_BLOCKS: whole blocks in tpu.stagingSize, else the default."""
+    """TPU_OFFLOAD_NUM_STAGING_BLOCKS: whole blocks in tpu.hbmStagingSize, else the default."""
     assert spec.tpu is not None
     if spec.tpu.staging_bytes is None:
         return TPU_DEFAULT_STAGING_BLOCKS

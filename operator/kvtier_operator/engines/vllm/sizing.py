@@ -21,7 +21,7 @@ from kvtier_operator.engines.sizing import (
 
 # Without a CPU tier: the pinned staging buffers of kvtier's offloading worker (its
 # max_staging_bytes), which hold the KV pages of the transfers in flight. Every vLLM
-# worker process (one per GPU) pins its own; spec.storage.stagingSize overrides it.
+# worker process (one per GPU) pins its own; spec.storage.hostStagingSize overrides it.
 NO_CPU_TIER_STAGING_BYTES = 1 * GIB
 # vLLM flags whose product is the worker processes of one engine, where the container
 # does not say how many GPUs it has.
