@@ -17,7 +17,7 @@ from kvtier_operator.context import (
 from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
-from kvtier_operator.validation import InvalidResource, parse_tpc
+from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
 from kvtier_operator.yamlio import dump_all
 
 EXIT_INVALID = 2
@@ -63,6 +63,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     out: list[dict[str, Any]] = []
     for tpc in tpcs:
+        for warning in deprecations(tpc):
+            print(f"warning: TieredPrefixCache {tpc.name}: {warning}", file=sys.stderr)
         out += render_objects(tpc, ctx)
     status = 0
     if args.pod:
