@@ -70,9 +70,11 @@ EXAMPLE ?= examples/native-kvtier.yaml
 demo: $(STAMP_OPERATOR)
 	$(BIN)/python -m kvtier_demo $(EXAMPLE)
 
+# lint-imports: the layer contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 $(HELM): scripts/install-helm.sh
 	bash scripts/install-helm.sh $(HELM)
@@ -92,6 +94,7 @@ PYTEST_WORKERS ?= auto
 test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	@$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc

@@ -17,8 +17,8 @@ import time
 
 from kmock import KubernetesEmulator, Server
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.objects import render_objects
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
 from tests.integration.harness import CTX, TPC, gateway_for, operator, setup
 

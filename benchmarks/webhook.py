@@ -71,7 +71,7 @@ def large_body() -> bytes:
 
 def serve_forever(port: int, certs: str, ready: Event, _counts: Any) -> None:
     from kvtier_operator.admission_lanes import AdmissionLanes
-    from kvtier_operator.render.context import RenderContext
+    from kvtier_operator.context import RenderContext
     from kvtier_operator.webhook import (
         CacheRegistry,
         ConflictLog,

@@ -26,9 +26,10 @@ from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render import sizing
-from kvtier_operator.render.connector import kv_transfer_json
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.vllm.launch import kv_transfer_json
+from kvtier_operator.render.connector import kv_transfer_config
+from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ async def live(out: Path) -> int:
         say(f"1. kubectl apply -f examples/{EXAMPLE}")
         cpu = tpc.spec.cpu.size if tpc.spec.cpu else "none"
         print(f"TieredPrefixCache {NS}/{name}: connector {tpc.spec.connector}, CPU tier "
-              f"{cpu}, shared tier {tpc.spec.storage_backend} on a "
+              f"{cpu}, shared tier {adapter_for(tpc.spec).storage_backend(tpc.spec)} on a "
               f"{claim.size} ReadWriteMany claim")
         doc["metadata"]["uid"] = "demo-uid-1"
         doc["metadata"]["generation"] = 1
@@ -129,8 +130,9 @@ async def live(out: Path) -> int:
                                 "schedule": cron["spec"]["schedule"],
                                 "concurrencyPolicy": cron["spec"]["concurrencyPolicy"],
                                 "command": container["command"] + container["args"]}}))
+        lru = adapter_for(tpc.spec).router_cpu_blocks(tpc.spec) or 0
         print("ConfigMap " + router["metadata"]["name"] + " (llm-d router, CPU tier "
-              f"lruCapacityPerServer {sizing.router_lru_capacity(tpc.spec):,} computed "
+              f"lruCapacityPerServer {lru:,} computed "
               "from 256 KiB/token x 16 tokens):")
         print(router["data"]["tiered-prefix-cache-plugins.yaml"])
         # The sandbox has no storage provisioner: bind the claim as one would.
@@ -170,7 +172,8 @@ async def live(out: Path) -> int:
               f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
               f"{moved['load_gbps']:.2f} GB/s into {volume} on {moved['path']}; "
               f"bit-identical: {moved['identical']}")
-        print(f"(vLLM gets this tier from --kv-transfer-config {kv_transfer_json(tpc)})")
+        options = kv_transfer_json(kv_transfer_config(tpc))
+        print(f"(vLLM gets this tier from --kv-transfer-config {options})")
 
         say("5. the evictor CronJob's run, against that volume")
         capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.handlers import OperatorConfig
-from kvtier_operator.render.context import RenderContext
 
 
 def say(title: str) -> None:

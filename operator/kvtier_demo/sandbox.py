@@ -1,7 +1,11 @@
 """An in-process Kubernetes API (kmock) with the real operator: for `make demo` and tests.
 
-kmock has no schema validation, defaulting, SSA, label selectors, garbage collection or
-controllers; the tests cover those rules directly.
+kmock has no schema validation, defaulting, server-side apply, label selectors, garbage
+collection or controllers; the tests cover those rules directly. Server-side apply is
+emulated here (SandboxGateway, kvtier_demo/ssa.py): kmock 0.8 treats every PATCH body,
+an apply configuration included, as a JSON merge patch, so a field kvtier stops
+rendering would never leave. The emulation lives in the harness only; the operator's
+gateway sends real server-side apply requests.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import kopf
 from kmock import ResourceInfo
 from kubernetes import client
 
-from kvtier_operator.gateway import Gateway
+from kvtier_demo import ssa
+from kvtier_operator.context import RenderContext
+from kvtier_operator.gateway import FIELD_MANAGER, Gateway
 from kvtier_operator.handlers import OperatorConfig, register
-from kvtier_operator.render.context import RenderContext
 
 CRUD = {"list", "watch", "get", "patch", "create", "delete", "update"}
 RESOURCES = {
@@ -48,9 +53,26 @@ def setup(kmock: Any) -> None:
         kmock.resources[key] = info
 
 
+class SandboxGateway(Gateway):
+    """The operator's gateway, with server-side apply emulated over kmock's merge patch
+    (see the module's docstring): everything else is the product's code."""
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
+        live = self.get(kind, ns, name)
+        result = ssa.apply(live, obj, FIELD_MANAGER)
+        if result is None:
+            assert live is not None
+            return live
+        if live is None:
+            return self.create(result)
+        return self.patch(kind, ns, name, ssa.as_merge_patch(live, result))
+
+
 def gateway_for(kmock: Any) -> Gateway:
     api = client.ApiClient(client.Configuration(host=str(kmock.url).rstrip("/")))
-    return Gateway(api, retries=2, backoff=0.01)
+    return SandboxGateway(api, retries=2, backoff=0.01)
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ import yaml
 from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_demo.samples import sample_workload
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.loading import parse_tpc
+from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
 
 

@@ -17,15 +17,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_operator import KIND
+from kvtier_operator import KIND, names
+from kvtier_operator.api.v1alpha1 import LabelSelector
 from kvtier_operator.cache_registry import CacheLookup
 from kvtier_operator.conflict_log import ConflictLog
-from kvtier_operator.engines import immutable
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import LabelSelector
-from kvtier_operator.render import names
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import InvalidResource, deprecations, immutable, parse_tpc
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-tieredprefixcaches"
@@ -314,7 +312,7 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
             f"spec.selector may select the same pods as {', '.join(overlapping)} in namespace "
             f"{tpc.namespace}; a pod can belong to one TieredPrefixCache only: add a label "
             "that tells them apart (e.g. llm-d.ai/role) to both selectors"))
-    return _response(uid)
+    return _response(uid, warnings=[f"kvtier: {w}" for w in deprecations(tpc)])
 
 
 def validate_tpc(review: Any, caches: CacheLookup) -> dict[str, Any]:

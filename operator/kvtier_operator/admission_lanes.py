@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kvtier_operator.admission import Outcome, admit
 from kvtier_operator.cache_registry import CacheRegistry
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 
 log = logging.getLogger("kvtier_operator.webhook")
 BUSY_LOG_INTERVAL = 60.0  # seconds between "busy" warnings (each counts the 503s since)

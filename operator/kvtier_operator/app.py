@@ -9,13 +9,13 @@ import kopf
 from kubernetes import client, config
 from prometheus_client import start_http_server
 
-from kvtier_operator.gateway import Gateway
-from kvtier_operator.handlers import OperatorConfig, register
-from kvtier_operator.render.context import (
+from kvtier_operator.context import (
+    DEFAULT_OFFLOAD_IMAGE,
     DEFAULT_OPERATOR_IMAGE,
-    DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
+from kvtier_operator.gateway import Gateway
+from kvtier_operator.handlers import OperatorConfig, register
 from kvtier_operator.webhook import register_server
 
 
@@ -23,7 +23,9 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
     env = dict(os.environ if env is None else env)
     return OperatorConfig(
         render=RenderContext(
-            sidecar_image=env.get("KVTIER_SIDECAR_IMAGE", DEFAULT_SIDECAR_IMAGE),
+            # KVTIER_SIDECAR_IMAGE: the name before 0.2, still read (deprecated).
+            offload_image=env.get("KVTIER_OFFLOAD_IMAGE") or env.get("KVTIER_SIDECAR_IMAGE")
+            or DEFAULT_OFFLOAD_IMAGE,
             evictor_image=env.get("KVTIER_OPERATOR_IMAGE", DEFAULT_OPERATOR_IMAGE),
             image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
         ),

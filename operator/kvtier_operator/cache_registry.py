@@ -6,8 +6,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.validation import InvalidResource, parse_tpc
 
 
 class CacheLookup(Protocol):

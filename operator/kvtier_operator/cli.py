@@ -9,14 +9,15 @@ from typing import Any
 
 import yaml
 
-from kvtier_operator.loading import InvalidResource, load_documents, parse_tpc, split_tpcs
-from kvtier_operator.render.context import (
+from kvtier_operator.context import (
+    DEFAULT_OFFLOAD_IMAGE,
     DEFAULT_OPERATOR_IMAGE,
-    DEFAULT_SIDECAR_IMAGE,
     RenderContext,
 )
+from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
+from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
 from kvtier_operator.yamlio import dump_all
 
 EXIT_INVALID = 2
@@ -45,7 +46,7 @@ def _objects(path: str) -> list[dict[str, Any]] | None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    ctx = RenderContext(sidecar_image=args.sidecar_image, evictor_image=args.evictor_image)
+    ctx = RenderContext(offload_image=args.offload_image, evictor_image=args.evictor_image)
     docs = _objects(args.file)
     if docs is None:
         return EXIT_INVALID
@@ -62,6 +63,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     out: list[dict[str, Any]] = []
     for tpc in tpcs:
+        for warning in deprecations(tpc):
+            print(f"warning: TieredPrefixCache {tpc.name}: {warning}", file=sys.stderr)
         out += render_objects(tpc, ctx)
     status = 0
     if args.pod:
@@ -91,9 +94,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_crd(args: argparse.Namespace) -> int:
     from kvtier_operator.crd import crd
 
-    text = "# Generated from kvtier_operator.models by `make crds`; do not edit.\n" + dump_all(
-        [crd()]
-    )
+    text = ("# Generated from kvtier_operator.api.v1alpha1 by `make crds`; do not edit.\n"
+            + dump_all([crd()]))
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -120,7 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--file", required=True, help="TieredPrefixCache YAML (- = stdin)")
     render.add_argument("--pod", help="a Pod or workload (Deployment, StatefulSet, "
                         "LeaderWorkerSet...) to print as the webhook would mutate it")
-    render.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE)
+    render.add_argument("--offload-image", "--sidecar-image", dest="offload_image",
+                        default=DEFAULT_OFFLOAD_IMAGE,
+                        help="the offload backend's image for the init container "
+                        "(--sidecar-image: its name before 0.2, deprecated)")
     render.add_argument("--evictor-image", default=DEFAULT_OPERATOR_IMAGE)
     render.set_defaults(func=cmd_render)
 

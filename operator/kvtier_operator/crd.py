@@ -12,8 +12,9 @@ import copy
 from typing import Any
 
 from kvtier_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from kvtier_operator.models import TieredPrefixCacheSpec, TieredPrefixCacheStatus
-from kvtier_operator.rules import CR_NAME
+from kvtier_operator.api.rules import CR_NAME
+from kvtier_operator.api.v1alpha1 import TieredPrefixCacheSpec, TieredPrefixCacheStatus
+from kvtier_operator.validation.engine_rules import spec_rules
 
 # Keywords pydantic may emit that are not JSONSchemaProps fields, or that the API server
 # forbids in structural schemas.
@@ -100,6 +101,10 @@ def _schema_of(model: type) -> dict[str, Any]:
 
 def openapi_schema() -> dict[str, Any]:
     spec = _schema_of(TieredPrefixCacheSpec)
+    # The API's engine-neutral rules, among the engines' (validation/engine_rules.py).
+    # Keys sorted, as pydantic writes the schema it generates.
+    spec["x-kubernetes-validations"] = [
+        dict(sorted(r.items())) for r in spec_rules(spec["x-kubernetes-validations"])]
     status = _schema_of(TieredPrefixCacheStatus)
     return {
         "type": "object",

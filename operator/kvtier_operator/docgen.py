@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier_operator.api.quantity import CR_MESSAGE
+from kvtier_operator.api.rules import CR_NAME_MAX
 from kvtier_operator.crd import openapi_schema
-from kvtier_operator.quantity import CR_MESSAGE
-from kvtier_operator.rules import CR_NAME_MAX
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -66,7 +66,7 @@ def _walk(node: dict[str, Any], path: str, required: set[str], rows: list[str],
 def reference() -> str:
     schema = openapi_schema()
     out = ["# TieredPrefixCache reference (kvtier.dev/v1alpha1)", "",
-           "Generated from `operator/kvtier_operator/models.py` by `make docs`; do not edit.",
+           "Generated from `operator/kvtier_operator/api/v1alpha1/` by `make docs`; do not edit.",
            "`kubectl explain tpc.spec` shows the same descriptions. Short name: `tpc`.", ""]
     for section in ("spec", "status"):
         node = schema["properties"][section]

@@ -1,12 +1,21 @@
 """The thin API gateway: every Kubernetes call the operator makes, through the official
 client, with plain dicts in and out.
 
-Owned objects are applied as create, or a merge patch of the render plus the removal of
-every field kvtier wrote last time and renders no more (applied.py keeps that record on
-the object), so the object converges to the render while fields other parties own stay.
-This needs nothing from the server beyond CRUD and merge patch. Conflicts and 429/5xx
-are retried here with backoff and then surface as RetryableError; any other 4xx is
-ApiRejected carrying the server's message, which the reconciler turns into a condition.
+Owned objects (the evictor CronJob, the router ConfigMap) are applied with server-side
+apply: the render is the apply configuration of field manager `kvtier-operator`, forced,
+so the object converges to it, a field kvtier stops rendering leaves, and fields other
+parties own stay (the API server keeps the record, in metadata.managedFields).
+
+Hand-over: kvtier before 0.2 wrote these objects with create and merge patches, as
+manager `kvtier-operator` with operation Update, and kept its own record in the
+kvtier.dev/applied-fields annotation. Fields an Update entry owns would never leave under
+an apply, so on first sight of such an object `handed_over()` moves them into the apply
+entry (as client-go's csaupgrade does), the annotation included; the next apply then
+drops whatever the render no longer has, the annotation with it.
+
+Conflicts and 429/5xx are retried here with backoff and then surface as RetryableError;
+any other 4xx is ApiRejected carrying the server's message, which the reconciler turns
+into a condition.
 """
 
 from __future__ import annotations
@@ -20,11 +29,13 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvtier_operator import GROUP, PLURAL, VERSION, applied
+from kvtier_operator import GROUP, PLURAL, VERSION
+from kvtier_operator.names import ANNOTATION_APPLIED_FIELDS
 
 log = logging.getLogger("kvtier_operator")
 FIELD_MANAGER = "kvtier-operator"
 RETRYABLE = {409, 429, 500, 502, 503, 504}
+APPLY = "application/apply-patch+yaml"
 
 
 class ApiRejected(Exception):
@@ -142,6 +153,14 @@ class Gateway:
                           field_manager=FIELD_MANAGER,
                           _content_type="application/merge-patch+json")
 
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of obj (apiVersion, kind, metadata and the fields kvtier
+        owns) as FIELD_MANAGER, forced: the object is created if absent."""
+        meta = obj["metadata"]
+        kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
+        return self._call(self._what(kind, ns, name), self._op(kind, 2), name, ns, obj,
+                          field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         delete = self._op(kind, 3)
         try:
@@ -162,20 +181,14 @@ class Gateway:
         return self.delete(kind, namespace, name)
 
     def ensure(self, obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Make the live object match obj, the render: create it, or merge-patch obj in
-        and take out what kvtier applied last time and obj no longer has.
+        """Make the live object match obj, the render, by server-side apply (after the
+        one-time hand-over of fields older kvtier wrote with merge patches).
         Returns ("created" | "updated" | "unchanged", live object)."""
         meta = obj["metadata"]
         kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
-        desired, tree = applied.with_record(obj)
         live = self.get(kind, ns, name)
         if live is None:
-            try:
-                return "created", self.create(desired)
-            except ApiRejected as err:
-                if err.status != 409:
-                    raise
-                live = self.get(kind, ns, name) or {}
+            return "created", self.apply(obj)
         owner = controller_uid(obj["metadata"])
         if owner is not None and controller_uid(live.get("metadata") or {}) != owner:
             # Anyone may have made an object under the name a CR asks for: kvtier patches
@@ -183,10 +196,19 @@ class Gateway:
             raise ApiRejected(409, "NotOwned", "it exists and is not controlled by this "
                               "TieredPrefixCache; kvtier takes over only objects it created: "
                               "delete it or choose another name", Gateway._what(kind, ns, name))
-        gone = applied.removals(applied.recorded(live), tree, live)
-        if not gone and contains(live, desired):
-            return "unchanged", live
-        return "updated", self.patch(kind, ns, name, applied.merge(desired, gone))
+        managed = handed_over(live)
+        if managed is not None:
+            # resourceVersion makes it conditional: a 409 (someone wrote meanwhile) is
+            # retried, and the next reconcile hands over what it then finds.
+            version = (live.get("metadata") or {}).get("resourceVersion")
+            live = self.patch(kind, ns, name, {"metadata": {
+                "managedFields": managed, "resourceVersion": version}})
+            log.info("%s: fields of kvtier's merge patches handed over to server-side apply",
+                     self._what(kind, ns, name))
+        before = (live.get("metadata") or {}).get("resourceVersion")
+        result = self.apply(obj)
+        after = (result.get("metadata") or {}).get("resourceVersion")
+        return ("unchanged" if after == before else "updated"), result
 
     # ---------------------------------------------------------------- reads
 
@@ -271,3 +293,50 @@ def contains(live: Any, want: Any) -> bool:
         return (isinstance(live, list) and len(live) == len(want)
                 and all(contains(a, b) for a, b in zip(live, want, strict=True)))
     return bool(live == want)
+
+
+# ------------------------------------------------------------ the hand-over
+
+
+def _union(a: Any, b: Any) -> Any:
+    """The union of two fieldsV1 sets (nested maps of field keys)."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return a if isinstance(a, dict) else b
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _union(out.get(key), value)
+    return out
+
+
+_ANNOTATION_FIELDS: dict[str, Any] = {
+    "f:metadata": {"f:annotations": {f"f:{ANNOTATION_APPLIED_FIELDS}": {}}}}
+
+
+def handed_over(live: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The managedFields live should carry so that server-side apply owns what kvtier's
+    merge patches wrote, or None when there is nothing to hand over: the fields of every
+    FIELD_MANAGER entry with operation Update (no subresource) join its Apply entry
+    (made if missing), and so does the kvtier.dev/applied-fields annotation."""
+    meta = live.get("metadata") or {}
+    entries = [e for e in meta.get("managedFields") or [] if isinstance(e, dict)]
+    old = [e for e in entries if e.get("manager") == FIELD_MANAGER
+           and e.get("operation") == "Update" and not e.get("subresource")]
+    annotated = ANNOTATION_APPLIED_FIELDS in (meta.get("annotations") or {})
+    if not old and not annotated:
+        return None
+    apply = next((e for e in entries if e.get("manager") == FIELD_MANAGER
+                  and e.get("operation") == "Apply" and not e.get("subresource")), None)
+    fields: Any = dict(apply.get("fieldsV1") or {}) if apply else {}
+    for entry in old:
+        fields = _union(fields, entry.get("fieldsV1") or {})
+    if annotated:
+        fields = _union(fields, _ANNOTATION_FIELDS)
+    merged = {**(apply or {"manager": FIELD_MANAGER, "operation": "Apply",
+                           "apiVersion": (old[0].get("apiVersion") if old else None)
+                           or live.get("apiVersion"), "fieldsType": "FieldsV1"}),
+              "fieldsV1": fields}
+    if annotated and not old and apply is not None and apply.get("fieldsV1") == fields:
+        return None  # handed over already; the next apply removes the annotation
+    kept = [e for e in entries if e is not apply and not any(e is o for o in old)]
+    return [*kept, merged]
+

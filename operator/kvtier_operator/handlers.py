@@ -19,14 +19,13 @@ from typing import Any
 
 import kopf
 
-from kvtier_operator import GROUP, PLURAL, VERSION, metrics
+from kvtier_operator import GROUP, PLURAL, VERSION, metrics, names
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
+from kvtier_operator.context import RenderContext
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.reconcile import Outcome, reconcile
-from kvtier_operator.render import names
-from kvtier_operator.render.context import RenderContext
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)
@@ -71,19 +70,20 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
         raise
     finally:
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
-    invalid = any(c.get("reason") == "InvalidSpec" for c in outcome.status["conditions"])
+    invalid = any(c.reason == "InvalidSpec" for c in outcome.status.conditions or [])
     metrics.RECONCILES.labels("invalid" if invalid else "ok" if outcome.ok else "degraded").inc()
     if not invalid:
         labels = (meta.get("namespace", ""), meta.get("name", ""))
         st = outcome.status
-        metrics.INJECTED_PODS.labels(*labels).set(st["injectedPods"])
-        metrics.PENDING_PODS.labels(*labels).set(st["pendingPods"])
-        metrics.READY.labels(*labels).set(st["conditions"][0]["status"] == "True")
-        if st.get("usage"):
-            metrics.VOLUME_USAGE.labels(*labels).set(st["usage"]["percent"])
-        if st.get("lastEviction"):
-            metrics.EVICTED_FILES.labels(*labels).set(st["lastEviction"]["filesDeleted"])
-            metrics.EVICTED_BYTES.labels(*labels).set(st["lastEviction"]["bytesFreed"])
+        metrics.INJECTED_PODS.labels(*labels).set(st.injected_pods or 0)
+        metrics.PENDING_PODS.labels(*labels).set(st.pending_pods or 0)
+        metrics.READY.labels(*labels).set(
+            st.conditions is not None and st.conditions[0].status == "True")
+        if st.usage is not None and st.usage.percent is not None:
+            metrics.VOLUME_USAGE.labels(*labels).set(st.usage.percent)
+        if st.last_eviction is not None:
+            metrics.EVICTED_FILES.labels(*labels).set(st.last_eviction.files_deleted or 0)
+            metrics.EVICTED_BYTES.labels(*labels).set(st.last_eviction.bytes_freed or 0)
     return outcome
 
 
@@ -124,7 +124,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         except RetryableError as err:
             kopf.warn(body, reason="Retrying", message=str(err))
             raise kopf.TemporaryError(str(err), delay=config.retry_delay) from err
-        patch.status.update(outcome.status)
+        patch.status.update(outcome.status_doc)
         _post(dict(body), outcome)
 
     for cause in ("create", "update", "resume"):
@@ -144,7 +144,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                     outcome = await asyncio.to_thread(
                         run_reconcile, body, gateway(), config, _flatten(kvtier_pods, ns),
                         _flatten(kvtier_evictor_runs, (ns, name)))
-                    await asyncio.to_thread(gateway().patch_status, ns, name, outcome.status)
+                    await asyncio.to_thread(gateway().patch_status, ns, name, outcome.status_doc)
                     _post(body, outcome)
                 except (RetryableError, ApiRejected) as err:
                     log.warning("drift repair of %s/%s: %s", ns, name, err)

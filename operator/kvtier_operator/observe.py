@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_evictor.report import EvictionReport
-from kvtier_operator.render import names
+from kvtier_operator import names
 
 
 @dataclass(frozen=True)

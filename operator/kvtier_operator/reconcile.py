@@ -8,16 +8,22 @@ write the status and post the events it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+from kvtier_operator import names
+from kvtier_operator.api.quantity import quantity_bytes
+from kvtier_operator.api.v1alpha1 import (
+    ClaimStatus,
+    DeletePolicy,
+    RolloutPolicy,
+    TieredPrefixCache,
+    TieredPrefixCacheStatus,
+)
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import DeletePolicy, RolloutPolicy, TieredPrefixCache
 from kvtier_operator.observe import EvictorRun, PodView
-from kvtier_operator.quantity import quantity_bytes
-from kvtier_operator.render import names
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
@@ -40,15 +46,22 @@ from kvtier_operator.status import (
     latest_run,
     prerequisites_condition,
     ready_condition,
+    status_doc,
 )
+from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
 
 
 @dataclass
 class Outcome:
-    status: dict[str, Any]
+    status: TieredPrefixCacheStatus
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     pending_pods: list[str] = field(default_factory=list)
     ok: bool = True  # False when something the spec asks for could not be done
+
+    @cached_property
+    def status_doc(self) -> dict[str, Any]:
+        """The status as written to the API (camelCase JSON), serialised once."""
+        return status_doc(self.status)
 
 
 def _event(events: list[tuple[str, str, str]], action: str, obj: dict[str, Any]) -> None:
@@ -200,14 +213,18 @@ def _drop_renamed(tpc: TieredPrefixCache, gw: Gateway, kind: str, component: str
     return None
 
 
-def invalid_status(body: dict[str, Any], err: InvalidResource, now: str) -> dict[str, Any]:
+def invalid_status(body: dict[str, Any], err: InvalidResource,
+                   now: str) -> TieredPrefixCacheStatus:
+    """Every condition False with InvalidSpec; the rest of the last status stays."""
     meta = body.get("metadata") or {}
     message = "; ".join(err.messages)
     cond = Cond("False", "InvalidSpec", message)
     new = {t: cond for t in CONDITION_TYPES}
-    return {"observedGeneration": meta.get("generation"),
-            "conditions": conditions(new, (body.get("status") or {}).get("conditions"),
-                                     meta.get("generation"), now)}
+    generation = meta.get("generation")
+    return TieredPrefixCacheStatus(
+        observed_generation=generation if isinstance(generation, int) else None,
+        conditions=conditions(new, (body.get("status") or {}).get("conditions"),
+                              generation if isinstance(generation, int) else None, now))
 
 
 def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[PodView],
@@ -219,7 +236,8 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     except InvalidResource as err:
         return Outcome(status=invalid_status(body, err, now),
                        events=[("Warning", "InvalidSpec", str(err))], ok=False)
-    events: list[tuple[str, str, str]] = []
+    events: list[tuple[str, str, str]] = [
+        ("Warning", "DeprecatedField", message) for message in deprecations(tpc)]
     prerequisites = check_prerequisites(tpc, gw)
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
@@ -258,20 +276,20 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     ready = ready_condition(storage.condition, injected, evictor, prerequisites)
     last_eviction, usage = eviction_status(run)
     generation = tpc.metadata.generation
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "conditions": conditions({READY: ready, STORAGE_READY: storage.condition,
-                                  INJECTED: injected, EVICTOR_HEALTHY: evictor,
-                                  PREREQUISITES_READY: prerequisites},
-                                 (body.get("status") or {}).get("conditions"), generation, now),
-        "configHash": digest,
-        "injectedPods": counts.injected,
-        "pendingPods": len(counts.pending),
-        "pvc": {"name": storage.claim, "phase": storage.phase, "capacity": storage.capacity}
+    status = TieredPrefixCacheStatus(
+        observed_generation=generation,
+        conditions=conditions({READY: ready, STORAGE_READY: storage.condition,
+                               INJECTED: injected, EVICTOR_HEALTHY: evictor,
+                               PREREQUISITES_READY: prerequisites},
+                              (body.get("status") or {}).get("conditions"), generation, now),
+        config_hash=digest,
+        injected_pods=counts.injected,
+        pending_pods=len(counts.pending),
+        pvc=ClaimStatus(name=storage.claim, phase=storage.phase, capacity=storage.capacity)
         if storage.claim else None,
-        "usage": usage,
-        "lastEviction": last_eviction,
-    }
+        usage=usage,
+        last_eviction=last_eviction,
+    )
     ok = not (cron_error or router_error) and storage.condition.reason not in (
         "ClaimRejected", "ClaimNotFound")
     return Outcome(status=status, events=events, pending_pods=counts.pending, ok=ok)

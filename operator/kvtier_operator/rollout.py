@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier_operator import names
 from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import PodView
-from kvtier_operator.render import names
 
 LWS = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 

@@ -1,4 +1,5 @@
-"""Pure status computation: observations in, the TieredPrefixCache status out.
+"""Pure status computation: observations in, the TieredPrefixCache status out, built as
+the typed status (api/v1alpha1/status.py) that also defines the CRD's status schema.
 
 Every condition carries observedGeneration; lastTransitionTime changes only when a
 condition's status does.
@@ -7,10 +8,16 @@ condition's status does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_DO
-from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import (
+    Condition,
+    EvictionStatus,
+    TieredPrefixCache,
+    TieredPrefixCacheStatus,
+    UsageStatus,
+)
 from kvtier_operator.observe import EvictorRun, PodView
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
@@ -21,7 +28,7 @@ CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY, PREREQUISITE
 
 @dataclass
 class Cond:
-    status: str  # "True" | "False" | "Unknown"
+    status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
 
@@ -96,25 +103,25 @@ def evictor_condition(tpc: TieredPrefixCache, run: EvictorRun | None) -> Cond:
     return Cond("False", "EvictorError" if outcome == ERROR else "Unknown", errors)
 
 
-def eviction_status(run: EvictorRun | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def eviction_status(run: EvictorRun | None) -> tuple[EvictionStatus | None, UsageStatus | None]:
     """(lastEviction, usage) status blocks from the latest run."""
     if run is None or run.report is None:
         return None, None
     r = run.report
-    last = {
-        "time": run.finished_at or r.finished_at, "outcome": r.outcome,
-        "filesDeleted": r.files_deleted, "bytesFreed": r.bytes_freed,
-        "tempFilesReaped": r.temp_files_reaped,
-        "usageBefore": round(r.usage_before.percent, 2),
-        "usageAfter": round(r.usage_after.percent, 2),
-        "durationSeconds": r.duration_seconds, "errors": r.errors, "job": run.job,
-    }
-    usage = {
-        "percent": round(r.usage_after.percent, 2),
-        "inodePercent": round(r.usage_after.inode_percent, 2),
-        "usedBytes": r.usage_after.used_bytes, "capacityBytes": r.usage_after.capacity_bytes,
-        "observedAt": run.finished_at or r.finished_at,
-    }
+    last = EvictionStatus(
+        time=run.finished_at or r.finished_at, outcome=r.outcome,
+        files_deleted=r.files_deleted, bytes_freed=r.bytes_freed,
+        temp_files_reaped=r.temp_files_reaped,
+        usage_before=round(r.usage_before.percent, 2),
+        usage_after=round(r.usage_after.percent, 2),
+        duration_seconds=r.duration_seconds, errors=r.errors, job=run.job,
+    )
+    usage = UsageStatus(
+        percent=round(r.usage_after.percent, 2),
+        inode_percent=round(r.usage_after.inode_percent, 2),
+        used_bytes=r.usage_after.used_bytes, capacity_bytes=r.usage_after.capacity_bytes,
+        observed_at=run.finished_at or r.finished_at,
+    )
     return last, usage
 
 
@@ -144,7 +151,8 @@ def ready_condition(storage: Cond, injected: Cond, evictor: Cond,
 
 
 def conditions(new: dict[str, Cond], previous: list[dict[str, Any]] | None,
-               generation: int | None, now: str) -> list[dict[str, Any]]:
+               generation: int | None, now: str) -> list[Condition]:
+    """The conditions in CONDITION_TYPES order; `previous`: the live object's (raw)."""
     before = {c.get("type"): c for c in previous or []}
     out = []
     for kind in CONDITION_TYPES:
@@ -153,9 +161,15 @@ def conditions(new: dict[str, Cond], previous: list[dict[str, Any]] | None,
             continue
         old = before.get(kind)
         since = old.get("lastTransitionTime") if old and old.get("status") == c.status else now
-        entry: dict[str, Any] = {"type": kind, "status": c.status, "reason": c.reason,
-                                 "message": c.message, "lastTransitionTime": since}
-        if generation is not None:
-            entry["observedGeneration"] = generation
-        out.append(entry)
+        # observedGeneration only where known (unset fields are not written: status_doc).
+        extra: dict[str, Any] = {} if generation is None else {"observed_generation": generation}
+        out.append(Condition(type=kind, status=c.status, reason=c.reason, message=c.message,
+                             last_transition_time=since, **extra))
     return out
+
+
+def status_doc(status: TieredPrefixCacheStatus) -> dict[str, Any]:
+    """The status as the API stores it (camelCase JSON), serialised once. Fields set to
+    None stay (a merge patch then clears them, e.g. pvc when the shared tier goes);
+    fields never set are left out (an invalid spec keeps the last configHash)."""
+    return status.model_dump(mode="json", by_alias=True, exclude_unset=True)

@@ -40,7 +40,7 @@ from kvtier_operator.admission import (
 from kvtier_operator.admission_lanes import AdmissionLanes
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 
 __all__ = ["MUTATE_PATH", "VALIDATE_PATH", "BadReview", "CacheRegistry", "ConflictLog",
            "diff_patch", "make_app", "mutate_pod", "register_server", "selectors_may_overlap",

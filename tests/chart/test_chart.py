@@ -48,7 +48,7 @@ VALUE_SETS = {
     "cert-manager + monitoring": ("webhook.certManager.enabled=true",
                                   "metrics.serviceMonitor.enabled=true",
                                   "networkPolicy.enabled=true"),
-    "custom": ("image.tag=1.2.3", "sidecarImage.tag=1.2.3", "watchNamespaces={ml,serving}",
+    "custom": ("image.tag=1.2.3", "offloadImage.tag=1.2.3", "watchNamespaces={ml,serving}",
                "webhook.certManager.enabled=true",
                "webhook.certManager.issuerRef.name=corp-ca",
                "webhook.certManager.issuerRef.kind=ClusterIssuer", "logFormat=text"),
@@ -81,9 +81,21 @@ def test_operator_deployment_is_locked_down():
                   "capabilities": {"drop": ["ALL"]}}
     assert c["image"] == f"ghcr.io/kvtier/kvtier-operator:{__version__}"  # appVersion
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["KVTIER_SIDECAR_IMAGE"] == f"ghcr.io/kvtier/kvtier-offload:{__version__}"
+    assert env["KVTIER_OFFLOAD_IMAGE"] == f"ghcr.io/kvtier/kvtier-offload:{__version__}"
     assert c["resources"]["limits"]["memory"]
     assert "--webhook-port=9443" in c["args"]
+
+
+@pytest.mark.parametrize("values, image", [
+    (("offloadImage.tag=1.2.3",), "ghcr.io/kvtier/kvtier-offload:1.2.3"),
+    # sidecarImage: the value's name before 0.2, still read, overriding offloadImage
+    (("sidecarImage.tag=0.9.0",), "ghcr.io/kvtier/kvtier-offload:0.9.0"),
+    (("sidecarImage.repository=reg/off", "sidecarImage.tag=v2"), "reg/off:v2"),
+])
+def test_the_offload_image_value_and_its_deprecated_name(values, image):
+    (dep,) = by_kind(render(*values), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in c["env"]}["KVTIER_OFFLOAD_IMAGE"] == image
 
 
 def test_webhooks_are_scoped_and_fail_the_right_way():

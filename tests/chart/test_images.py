@@ -67,7 +67,7 @@ def test_operator_image_install_steps_in_a_virtualenv(tmp_path):
     assert run.returncode == 1 and '"outcome":"error"' in run.stdout
 
 
-def test_sidecar_image_entrypoint_installs_the_backend(tmp_path):
+def test_offload_image_entrypoint_installs_the_backend(tmp_path):
     """The sidecar image runs `python3 -m kvtier_offload install --target DIR` from a
     copy of sidecar/kvtier_offload on PYTHONPATH (see sidecar/Dockerfile)."""
     text = (ROOT / "sidecar" / "Dockerfile").read_text()

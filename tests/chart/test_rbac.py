@@ -11,8 +11,8 @@ import subprocess
 import pytest
 import yaml
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.pod import config_hash
+from kvtier_operator.validation import parse_tpc
 from tests.chart.test_chart import CHART, HELM
 from tests.helpers import tpc_doc
 from tests.integration.harness import CTX, TPC, obj, operator, setup, until

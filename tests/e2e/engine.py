@@ -39,8 +39,8 @@ def build_llm(model: str, root: str | None = None, **overrides):
 
     kv = None
     if root:
-        from kvtier_operator.loading import parse_tpc
         from kvtier_operator.render.connector import kv_transfer_config
+        from kvtier_operator.validation import parse_tpc
         from tests.helpers import example
 
         rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))

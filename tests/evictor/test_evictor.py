@@ -400,9 +400,9 @@ def test_cli_exit_codes(tmp_path, monkeypatch):
 
 
 def test_operator_cronjob_args_parse_with_the_evictor_cli():
-    from kvtier_operator.loading import parse_tpc
-    from kvtier_operator.render.context import RenderContext
+    from kvtier_operator.context import RenderContext
     from kvtier_operator.render.cronjob import render_cronjob
+    from kvtier_operator.validation import parse_tpc
     from tests.helpers import tpc_doc
 
     for spec in ({}, {"eviction": {"capacity": "ClaimSize"}}, {"storage": {"backend": "vllm-fs"}},

@@ -13,12 +13,12 @@ from typing import Any
 
 from kvtier_demo import sandbox
 from kvtier_demo.sandbox import TPC, gateway_for, setup
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
 
 __all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "reconciles", "setup",
            "until"]
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:test", evictor_image="reg/kvtier:test")
+CTX = RenderContext(offload_image="reg/kvtier-offload:test", evictor_image="reg/kvtier:test")
 
 
 def operator(kmock: Any, drift_interval: float = 3600.0, retry_delay: float = 0.2):

@@ -70,3 +70,37 @@ async def test_gateway_removes_a_configmap_key_it_no_longer_renders(kmock):
     assert live["metadata"]["labels"] == {"app": "kvtier", "team": "infra"}
     action, _ = await asyncio.to_thread(gw.ensure, second)
     assert action == "unchanged"
+
+
+async def test_an_object_kvtier_merge_patched_is_handed_over_to_server_side_apply(kmock):
+    """The one-time hand-over over HTTP: a ConfigMap as kvtier before server-side apply left
+    it (created and merge-patched by manager kvtier-operator, operation Update, its record
+    in the kvtier.dev/applied-fields annotation) converges to the render: the key it no
+    longer renders and the annotation leave, the key someone else wrote stays."""
+    setup(kmock)
+    gw = gateway_for(kmock)
+    old_fields = {"f:metadata": {"f:labels": {"f:app": {}}, "f:annotations": {
+        "f:kvtier.dev/applied-fields": {}}}, "f:data": {"f:plugins.yaml": {}, "f:old.yaml": {}}}
+    kmock.objects["v1/configmaps", NS, "cm"] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "cm", "namespace": NS, "resourceVersion": "7",
+                     "labels": {"app": "kvtier"},
+                     "annotations": {"kvtier.dev/applied-fields": '{"data": {}}'},
+                     "managedFields": [
+                         {"manager": "kvtier-operator", "operation": "Update",
+                          "apiVersion": "v1", "fieldsType": "FieldsV1", "fieldsV1": old_fields},
+                         {"manager": "someone", "operation": "Update", "apiVersion": "v1",
+                          "fieldsType": "FieldsV1", "fieldsV1": {"f:data": {"f:theirs": {}}}}]},
+        "data": {"plugins.yaml": "a", "old.yaml": "b", "theirs": "c"}}
+    render = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "cm", "namespace": NS, "labels": {"app": "kvtier"}},
+              "data": {"plugins.yaml": "a"}}
+    action, _ = await asyncio.to_thread(gw.ensure, render)
+    assert action == "updated"
+    live = obj(kmock, "v1/configmaps", NS, "cm")
+    assert live["data"] == {"plugins.yaml": "a", "theirs": "c"}
+    assert "kvtier.dev/applied-fields" not in (live["metadata"].get("annotations") or {})
+    ours = [(e["manager"], e["operation"]) for e in live["metadata"]["managedFields"]]
+    assert sorted(ours) == [("kvtier-operator", "Apply"), ("someone", "Update")]
+    action, _ = await asyncio.to_thread(gw.ensure, render)
+    assert action == "unchanged"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render import names
+from kvtier_operator import names
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import EXAMPLES, example
 from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render import names
+from kvtier_operator import names
 from kvtier_operator.render.pod import config_hash
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
 from tests.integration.harness import (
     CTX,

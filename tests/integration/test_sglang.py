@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
 from kvtier_operator.render.pod import config_hash
+from kvtier_operator.validation import parse_tpc
 from tests.integration.harness import CTX, condition, operator, setup, until
 from tests.integration.test_operator import cache, configmap, cronjob, pvc, seed, tpc_obj
 

@@ -25,8 +25,8 @@ from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvtier_offload.vllm_tier import KvtierStorageTier  # noqa: E402
-from kvtier_operator.loading import parse_tpc  # noqa: E402
 from kvtier_operator.render.connector import kv_transfer_config  # noqa: E402
+from kvtier_operator.validation import parse_tpc  # noqa: E402
 from tests.helpers import tpc_doc  # noqa: E402
 
 PAGE = 16384  # bytes per GPU block in this toy geometry

@@ -75,6 +75,19 @@ def test_conflicting_pod_exits_with_conflict(tmp_path, capsys):
     assert "conflict: Pod p: container 'vllm' already passes" in capsys.readouterr().err
 
 
+def test_a_deprecated_field_name_renders_alike_with_a_warning(tmp_path, capsys):
+    outputs = []
+    for name in ("stagingSize", "hostStagingSize"):
+        (tmp_path / "cr.yaml").write_text(yaml.safe_dump(tpc_doc({
+            "cpu": None, "storage": {name: "2Gi"}})))
+        assert main(["render", "-f", str(tmp_path / "cr.yaml")]) == 0
+        captured = capsys.readouterr()
+        outputs.append(captured.out)
+        warned = "spec.storage.stagingSize is deprecated: rename it hostStagingSize"
+        assert (warned in captured.err) is (name == "stagingSize")
+    assert outputs[0] == outputs[1]
+
+
 def test_file_without_cr(tmp_path):
     (tmp_path / "x.yaml").write_text("kind: ConfigMap\n")
     assert main(["render", "-f", str(tmp_path / "x.yaml")]) == EXIT_INVALID

@@ -149,8 +149,9 @@ def test_cel_rules_exist_for_cross_field_checks():
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
     # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
-    # the transition rules keeping engine, connector and storage backend fixed
-    assert len(cross_field) == 18
+    # the transition rules keeping engine, connector and storage backend fixed; a deprecated
+    # name and its new one not both given (storage, tpu)
+    assert len(cross_field) == 20
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",

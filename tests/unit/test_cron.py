@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from kvtier_operator.cron import DESCRIPTORS, SCHEDULE
+from kvtier_operator.api.cron import DESCRIPTORS, SCHEDULE
 
 _MONTHS = {m: i + 1 for i, m in enumerate(
     ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])}

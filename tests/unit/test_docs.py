@@ -6,9 +6,11 @@ import re
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.quantity import GIB, MIB
-from kvtier_operator.render import sizing
+from kvtier_operator.api.quantity import GIB, MIB
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.tpu import sizing as tpu_sizing
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT, tpc_doc
 
 SIZING = (ROOT / "docs" / "sizing.md").read_text()
@@ -34,7 +36,7 @@ def test_worked_example_row_matches_code(model):
     assert _num(cells[4]) == fresh.memory_increase_bytes / GIB
     assert _num(cells[5]) == resized.shm_bytes / GIB
     assert _num(cells[6]) == resized.memory_increase_bytes / GIB
-    assert _num(cells[7]) == sizing.router_lru_capacity(spec)
+    assert _num(cells[7]) == adapter_for(spec).router_cpu_blocks(spec)
 
 
 @pytest.mark.parametrize("model", sorted(LAYERS))
@@ -62,8 +64,8 @@ def test_tpu_worked_example_row_matches_code(name):
     adapter = adapter_for(spec)
     pod = adapter.pod_sizing(spec, None, {}, PodRole.server)
     assert pod.shm_bytes is None  # /dev/shm is left alone
-    assert _num(cells[1]) == sizing.tpu_chunk_bytes(spec) / MIB
-    assert _num(cells[2]) == sizing.tpu_cpu_chunks(spec)
-    assert _num(cells[3]) == sizing.tpu_staging_blocks(spec)
+    assert _num(cells[1]) == tpu_sizing.tpu_chunk_bytes(spec) / MIB
+    assert _num(cells[2]) == tpu_sizing.tpu_cpu_chunks(spec)
+    assert _num(cells[3]) == tpu_sizing.tpu_staging_blocks(spec)
     assert _num(cells[4]) == round(pod.memory_increase_bytes / GIB, 2)
     assert _num(cells[5]) == adapter.router_cpu_blocks(spec)

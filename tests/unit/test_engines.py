@@ -10,14 +10,15 @@ import pytest
 import yaml
 
 from kvtier_demo.samples import sample_workload
+from kvtier_operator import names
+from kvtier_operator.api.quantity import MIB, quantity_bytes
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import ADAPTERS, adapter_for
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.quantity import MIB, quantity_bytes
-from kvtier_operator.render import names, sizing
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.engines.sizing import PROCESS_HEADROOM_BYTES
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject, inject_workload
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
+from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import EXAMPLES, ROOT, example, tpc_doc
 from tests.unit.test_crd import _failed_messages, _schema_defaults
 
@@ -48,8 +49,8 @@ def test_every_adapter_is_documented_and_has_an_example():
     pairs = {(d["spec"].get("engine", "vllm"), d["spec"].get("connector", "native"))
              for d in crs if d["kind"] == "TieredPrefixCache"}
     for adapter in ADAPTERS:
-        assert f"`{type(adapter).__module__.rsplit('.', 1)[1]}.{type(adapter).__name__}`" \
-            in arch, adapter
+        module = type(adapter).__module__.removeprefix("kvtier_operator.engines.")
+        assert f"`{module}.{type(adapter).__name__}`" in arch, adapter
         assert (str(adapter.engine), str(adapter.connector)) in pairs, adapter
 
 
@@ -81,7 +82,7 @@ def test_tpu_single_host_renders_connector_env_and_host_memory():
     assert '--kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"' in c["args"][0]
     # The pinned host tier (the guide forgets it) plus headroom; no /dev/shm added.
     assert quantity_bytes(c["resources"]["requests"]["memory"]) == \
-        25000 * 128 * 262144 + sizing.PROCESS_HEADROOM_BYTES
+        25000 * 128 * 262144 + PROCESS_HEADROOM_BYTES
     assert "volumes" not in out["spec"]["template"]["spec"] or not any(
         v["name"] == names.VOLUME_SHM for v in out["spec"]["template"]["spec"]["volumes"])
     assert [o["kind"] for o in render_objects(tpc, CTX)] == ["ConfigMap"]  # no PVC/CronJob
@@ -100,7 +101,7 @@ def test_tpu_multi_host_injects_leader_and_worker_and_routes_to_leaders():
         assert env["TPU_MULTIHOST_BACKEND"] == "ray"
         # Each of the 2 hosts pins half of every chunk.
         assert quantity_bytes(c["resources"]["requests"]["memory"]) == \
-            10000 * 128 * 253952 // 2 + sizing.PROCESS_HEADROOM_BYTES
+            10000 * 128 * 253952 // 2 + PROCESS_HEADROOM_BYTES
     assert names.ENV_KV_TRANSFER_CONFIG not in env_of(wc)
     assert leader["metadata"]["annotations"] == worker["metadata"]["annotations"]
     tpc = parse_tpc(example("vllm-tpu-multi-host.yaml"))
@@ -244,7 +245,7 @@ def test_mooncake_store_mounts_its_configmap_and_names_prerequisites():
             "readOnly": True} in c["volumeMounts"]
     # 80 GB lent to the store, on top of the pod's own request; /dev/shm untouched.
     assert quantity_bytes(c["resources"]["requests"]["memory"]) == 100 * 1024**3 + \
-        -(-(80 * 10**9 + sizing.PROCESS_HEADROOM_BYTES) // MIB) * MIB
+        -(-(80 * 10**9 + PROCESS_HEADROOM_BYTES) // MIB) * MIB
     assert next(v for v in spec["volumes"] if v["name"] == "shm")["emptyDir"][
         "sizeLimit"] == "20Gi"
     assert "initContainers" not in spec
@@ -265,7 +266,7 @@ def test_kvbm_sets_its_cpu_cache_in_whole_gb_and_pins_it():
     assert json.loads(env[names.ENV_KV_TRANSFER_CONFIG])["kv_connector_module_path"] == \
         "kvbm.vllm_integration.connector"
     assert quantity_bytes(c["resources"]["requests"]["memory"]) == 100 * 1024**3 + \
-        -(-(107 * 10**9 + sizing.PROCESS_HEADROOM_BYTES) // MIB) * MIB
+        -(-(107 * 10**9 + PROCESS_HEADROOM_BYTES) // MIB) * MIB
     assert not any(o["kind"] == "CronJob" for o in render_objects(tpc, CTX))
 
 
@@ -279,7 +280,7 @@ REFUSED = [
     ({"tpu": {"pageSize": 16}}, "spec.tpu applies only to engine vllm-tpu"),
     ({**TPU, "cpu": None}, "spec.cpu is required with engine vllm-tpu"),
     ({**TPU, "cpu": {"size": "16Mi"}}, "spec.cpu.size 16Mi holds no TPU chunk"),
-    ({**TPU, "tpu": {"pageSize": 128, "stagingSize": "16Mi"}}, "spec.tpu.stagingSize"),
+    ({**TPU, "tpu": {"pageSize": 128, "stagingSize": "16Mi"}}, "spec.tpu.hbmStagingSize"),
     ({**MOONCAKE, "mooncake": None}, "spec.mooncake is required with engine vllm and "
      "connector mooncake-store"),
     ({**MOONCAKE, "storage": {"pvc": {"size": "1Ti"}}}, "spec.storage: engine vllm and "

@@ -7,14 +7,22 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render import names
-from kvtier_operator.render.connector import kv_transfer_json
-from kvtier_operator.render.context import RenderContext
-from kvtier_operator.render.pod import MAX_COMMAND_CHARS, inject, runs_vllm
+from kvtier_operator import names
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS
+from kvtier_operator.engines.vllm.launch import kv_transfer_json as _json
+from kvtier_operator.engines.vllm.launch import runs_vllm
+from kvtier_operator.render.connector import kv_transfer_config
+from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+
+def kv_transfer_json(t):
+    """The --kv-transfer-config JSON vLLM gets for a cache."""
+    return _json(kv_transfer_config(t))
+
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 OPTION = '--kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"'
 
 

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.models import TieredPrefixCache
-from kvtier_operator.render import names
+from kvtier_operator import names
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.context import RenderContext
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 SECRET = "hf_SECRET_VALUE"  # what the kubelet would put in for the HF_TOKEN secret
 MARK = "PWNED"  # every payload tries to create this file in the working directory
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.models import StorageBackend
+from kvtier_operator.api.v1alpha1 import StorageBackend
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import BASE_TPC, merge, tpc_doc
 
 
@@ -19,7 +20,7 @@ def test_base_is_valid_and_defaults_apply():
     tpc = parse_tpc(BASE_TPC)
     s = tpc.spec
     assert s.connector == "native"
-    assert s.storage_backend == StorageBackend.kvtier
+    assert adapter_for(s).storage_backend(s) == StorageBackend.kvtier
     assert s.storage.mount_path == "/mnt/files-storage"
     assert s.storage.block_size is None and s.storage.file_tokens == 256
     assert s.storage.pvc.access_modes == ["ReadWriteMany"]
@@ -118,10 +119,10 @@ def test_rule_names_field_and_fix(patch, field, needle):
     assert needle in text, text
 
 
-def test_no_cpu_tier_means_gpu_direct():
+def test_no_cpu_tier_means_no_cpu_tier():
     s = parse_tpc(merge(BASE_TPC, {"spec": {"cpu": None}})).spec
-    assert s.gpu_direct and s.cpu_bytes == 0 and s.storage_backend == StorageBackend.kvtier
-    assert not parse_tpc(BASE_TPC).spec.gpu_direct
+    assert s.no_cpu_tier and s.cpu_bytes == 0 and adapter_for(s).storage_backend(s) == StorageBackend.kvtier
+    assert not parse_tpc(BASE_TPC).spec.no_cpu_tier
 
 
 def test_name_too_long_for_cronjob():
@@ -157,7 +158,7 @@ def test_hash_seed_default_is_stable_and_namespace_scoped():
 
 
 def test_selector_matching():
-    from kvtier_operator.models import LabelSelector
+    from kvtier_operator.api.v1alpha1 import LabelSelector
 
     sel = LabelSelector.model_validate({
         "matchLabels": {"role": "decode"},
@@ -171,7 +172,7 @@ def test_selector_matching():
 
 
 def test_selector_query_in_the_api_syntax():
-    from kvtier_operator.models import LabelSelector
+    from kvtier_operator.api.v1alpha1 import LabelSelector
 
     sel = LabelSelector.model_validate({
         "matchLabels": {"role": "decode", "app": "vllm"},

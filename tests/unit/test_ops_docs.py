@@ -8,10 +8,10 @@ import re
 import pytest
 import yaml
 
+from kvtier_operator.context import RenderContext
 from kvtier_operator.docgen import reference
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.objects import render_objects
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT
 
 OPERATOR = ROOT / "operator" / "kvtier_operator"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvtier_operator.quantity import quantity_bytes
+from kvtier_operator.api.quantity import quantity_bytes
 
 # Each of these took from 0.6 s to minutes of CPU, or raised OverflowError, before.
 HOSTILE = ["1e1000000", "1e400000", "9" * 5000, ".inf", "inf", "Infinity", "-inf", "NaN",

@@ -9,13 +9,22 @@ import copy
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError, contains, controlled_by
-from kvtier_operator.loading import parse_tpc
+from kvtier_demo import ssa
+from kvtier_operator.api.v1alpha1 import TieredPrefixCacheStatus
+from kvtier_operator.context import RenderContext
+from kvtier_operator.gateway import (
+    FIELD_MANAGER,
+    ApiRejected,
+    Gateway,
+    RetryableError,
+    contains,
+    controlled_by,
+)
 from kvtier_operator.observe import pod_view
 from kvtier_operator.reconcile import reconcile
-from kvtier_operator.render.context import RenderContext
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.status import Cond, conditions
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
 
 CTX = RenderContext()
@@ -56,6 +65,19 @@ class FakeGateway:
     def delete(self, kind, ns, name):
         self.calls.append(("delete", kind, name))
         return self.store.pop((kind, ns, name), None) is not None
+
+    def apply(self, obj):
+        """Server-side apply, emulated as the sandbox does (kvtier_demo/ssa.py): a write
+        only when something changes."""
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        live = self.store.get(key)
+        self._check("create" if live is None else "patch", obj["kind"])
+        result = ssa.apply(copy.deepcopy(live) if live else None, obj, FIELD_MANAGER)
+        if result is None:
+            return copy.deepcopy(live)
+        self.calls.append(("create" if live is None else "patch", key[0], key[2]))
+        self.store[key] = result
+        return copy.deepcopy(result)
 
     def ensure(self, obj):
         return Gateway.ensure(self, obj)  # the real logic over this fake's CRUD
@@ -148,7 +170,7 @@ def test_a_refused_search_for_old_router_configmaps_is_reported():
     gw.refuse["list", "ConfigMap"] = ApiRejected(
         403, "Forbidden", 'cannot list resource "configmaps"', "ConfigMaps in ml")
     outcome = run(gw, body({"router": {"enabled": True, "configMapName": "epp"}}))
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert cond["reason"] == "RouterConfigRejected"
     assert 'cannot list resource "configmaps"' in cond["message"]
     assert not outcome.ok
@@ -185,7 +207,7 @@ def test_resize_refused_is_reported_not_raised():
     gw.refuse["patch", "PersistentVolumeClaim"] = ApiRejected(
         403, "Forbidden", "only dynamically provisioned pvc can be resized", "PVC ml/x")
     outcome = run(gw, body({"storage": {"pvc": {"size": "2Ti"}}}))
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "StorageReady")
     assert cond["status"] == "True" and cond["reason"] == "BoundWithWarnings"
     assert "only dynamically provisioned pvc can be resized" in cond["message"]
     assert any(e[1] == "ResizeRefused" for e in outcome.events)
@@ -196,10 +218,10 @@ def test_claim_rejected_on_create():
     gw.refuse["create", "PersistentVolumeClaim"] = ApiRejected(
         422, "Invalid", 'spec.storageClassName: Invalid value: "Lustre"', "PVC ml/cache-kv-cache")
     outcome = run(gw, body())
-    cond = next(c for c in outcome.status["conditions"] if c["type"] == "StorageReady")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["type"] == "StorageReady")
     assert cond["reason"] == "ClaimRejected" and "Lustre" in cond["message"]
     assert not outcome.ok
-    ready = outcome.status["conditions"][0]
+    ready = outcome.status_doc["conditions"][0]
     assert ready["status"] == "False" and "StorageReady" in ready["message"]
 
 
@@ -235,7 +257,7 @@ def test_a_cache_never_deletes_or_adopts_what_it_does_not_control():
     # the cache cannot garbage-collect it)
     outcome = run(gw, body({"router": {"enabled": True, "configMapName": "app-config"}}))
     assert gw.store["ConfigMap", "ml", "app-config"] == before["ConfigMap", "ml", "app-config"]
-    cond = next(c for c in outcome.status["conditions"] if c["reason"] == "RouterConfigRejected")
+    cond = next(c for c in outcome.status_doc["conditions"] if c["reason"] == "RouterConfigRejected")
     assert "not controlled by this TieredPrefixCache" in cond["message"]
     assert not outcome.ok
 
@@ -243,13 +265,27 @@ def test_a_cache_never_deletes_or_adopts_what_it_does_not_control():
 def test_conditions_keep_transition_time_while_status_holds():
     first = conditions({t: Cond("False", "X") for t in ("Ready", "StorageReady", "Injected",
                                                           "EvictorHealthy")}, None, 1, "t1")
+    # The live object's conditions, as the API returns them (camelCase JSON).
+    live = [c.model_dump(mode="json", by_alias=True, exclude_unset=True) for c in first]
     second = conditions({"Ready": Cond("False", "Y"), "StorageReady": Cond("True", "Bound"),
                          "Injected": Cond("False", "X"), "EvictorHealthy": Cond("False", "X")},
-                        first, 2, "t2")
-    by = {c["type"]: c for c in second}
-    assert by["Ready"]["lastTransitionTime"] == "t1"  # reason changed, status did not
-    assert by["StorageReady"]["lastTransitionTime"] == "t2"
-    assert all(c["observedGeneration"] == 2 for c in second)
+                        live, 2, "t2")
+    by = {c.type: c for c in second}
+    assert by["Ready"].last_transition_time == "t1"  # reason changed, status did not
+    assert by["StorageReady"].last_transition_time == "t2"
+    assert all(c.observed_generation == 2 for c in second)
+
+
+def test_the_status_is_the_typed_model_the_crd_is_generated_from():
+    outcome = run(FakeGateway(), body())
+    assert isinstance(outcome.status, TieredPrefixCacheStatus)
+    written = outcome.status_doc
+    # What is written round-trips through the model that defines the CRD's status schema.
+    assert TieredPrefixCacheStatus.model_validate(written).model_dump(
+        mode="json", by_alias=True, exclude_unset=True) == written
+    assert set(written) == {"observedGeneration", "conditions", "configHash", "injectedPods",
+                            "pendingPods", "pvc", "usage", "lastEviction"}
+    assert written["usage"] is None  # kept: a merge patch clears a stale value
 
 
 def test_pod_view_reads_what_counting_needs():
@@ -283,9 +319,9 @@ def test_pods_the_server_no_longer_has_are_neither_pending_nor_restarted():
     index = [pod_view(p) for p in (decode_pod("decode-0", "uid-old"), decode_pod("gone", "g"),
                                    live, recreated)]
     outcome = run(gw, doc, index)
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
-    assert outcome.status["pendingPods"] == 0 and outcome.status["injectedPods"] == 2
+    assert outcome.status_doc["pendingPods"] == 0 and outcome.status_doc["injectedPods"] == 2
     assert ("list", "Pod", "llm-d.ai/role=decode") in gw.calls
 
 
@@ -300,13 +336,13 @@ def test_conflicts_of_pods_the_server_no_longer_has_are_dropped():
     gw.store["Pod", "ml", "decode-2"] = decode_pod("decode-2", "uid-c", digest)
     why = "container 'vllm' already passes --kv-transfer-config"
     outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("False", "Conflict")
     assert injected["message"] == f"pod decode-1: {why}"  # not the pod deleted unseen
 
     del gw.store["Pod", "ml", "decode-1"]  # its deletion missed by the index too
     outcome = reconcile(doc, gw, CTX, index, [], NOW, {"decode-1": why, "gone": why})
-    injected = next(c for c in outcome.status["conditions"] if c["type"] == "Injected")
+    injected = next(c for c in outcome.status_doc["conditions"] if c["type"] == "Injected")
     assert (injected["status"], injected["reason"]) == ("True", "AllInjected")
 
 
@@ -316,7 +352,7 @@ def test_pending_pods_the_server_has_stay_pending():
     stale = decode_pod("decode-0", "uid-a")
     gw.store["Pod", "ml", "decode-0"] = stale
     outcome = run(gw, doc, [pod_view(stale)])
-    assert outcome.status["pendingPods"] == 1
+    assert outcome.status_doc["pendingPods"] == 1
 
 
 def test_no_pod_listing_when_nothing_is_pending():
@@ -387,8 +423,19 @@ def test_contains_compares_what_we_own():
 def test_operator_config_from_env():
     from kvtier_operator.app import config_from_env
 
-    cfg = config_from_env({"KVTIER_SIDECAR_IMAGE": "r/s:1", "KVTIER_OPERATOR_IMAGE": "r/o:1",
+    old_name = config_from_env({"KVTIER_SIDECAR_IMAGE": "r/old:1"})
+    assert old_name.render.offload_image == "r/old:1"  # the deprecated name still works
+    cfg = config_from_env({"KVTIER_OFFLOAD_IMAGE": "r/s:1", "KVTIER_OPERATOR_IMAGE": "r/o:1",
                            "KVTIER_DRIFT_INTERVAL_SECONDS": "30"})
-    assert (cfg.render.sidecar_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
+    assert (cfg.render.offload_image, cfg.render.evictor_image) == ("r/s:1", "r/o:1")
     assert cfg.drift_interval == 30.0
     assert parse_tpc(tpc_doc())  # sanity: the fixtures parse
+
+
+def test_a_deprecated_field_name_is_reconciled_alike_and_reported_as_a_warning_event():
+    old = run(FakeGateway(), body({"cpu": None, "storage": {"stagingSize": "2Gi"}}))
+    new = run(FakeGateway(), body({"cpu": None, "storage": {"hostStagingSize": "2Gi"}}))
+    assert old.status_doc["configHash"] == new.status_doc["configHash"]
+    assert ("Warning", "DeprecatedField", "spec.storage.stagingSize is deprecated: rename it "
+            "hostStagingSize (the same setting)") in old.events
+    assert not [e for e in new.events if e[1] == "DeprecatedField"]

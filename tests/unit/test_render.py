@@ -7,28 +7,30 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.quantity import GIB
-from kvtier_operator.render import names, sizing
-from kvtier_operator.render.connector import (
+from kvtier_operator import names
+from kvtier_operator.api.quantity import GIB
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.engines.vllm.gpu import (
     KVTIER_CONNECTOR,
     KVTIER_CONNECTOR_MODULE,
     KVTIER_SPEC_MODULE,
     KVTIER_SPEC_NAME,
     KVTIER_TIER_MODULE,
     KVTIER_TIER_TYPE,
-    connector_env,
-    kv_transfer_config,
 )
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.engines.vllm.launch import runs_vllm
+from kvtier_operator.render.connector import connector_env, kv_transfer_config
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.objects import render_objects
-from kvtier_operator.render.pod import config_hash, inject, inject_workload, runs_vllm
+from kvtier_operator.render.pod import config_hash, inject, inject_workload
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
+from kvtier_operator.validation import deprecations, parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 
 
 def tpc(spec=None, **meta):
@@ -101,7 +103,7 @@ def test_native_cpu_plus_kvtier():
     }]
 
 
-def test_native_gpu_direct_uses_kvtiers_own_connector_and_spec_and_recomputes():
+def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes():
     t = tpc({"cpu": None, "storage": {"readThreads": 8, "writeThreads": 4}})
     assert kv_transfer_config(t) == {
         "kv_connector": KVTIER_CONNECTOR, "kv_connector_module_path": KVTIER_CONNECTOR_MODULE,
@@ -109,7 +111,7 @@ def test_native_gpu_direct_uses_kvtiers_own_connector_and_spec_and_recomputes():
         "kv_connector_extra_config": {
             "spec_name": KVTIER_SPEC_NAME, "spec_module_path": KVTIER_SPEC_MODULE,
             "root_dir": "/mnt/files-storage", "n_read_threads": 8, "n_write_threads": 4,
-            "max_staging_bytes": sizing.GPU_DIRECT_STAGING_BYTES},
+            "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES},
     }
     assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
     assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
@@ -161,18 +163,28 @@ def test_sizing_lmcache_keeps_tier_out_of_shm():
     assert s.memory_increase_bytes == 103 * GIB
 
 
-def test_sizing_gpu_direct_counts_pinned_staging_not_shm():
+def test_sizing_no_cpu_tier_counts_pinned_staging_not_shm():
     spec = tpc({"cpu": None}).spec
     assert sizing.io_buffer_bytes(spec) == 0  # staging rows are written in place
     s = sizing.pod_sizing(spec, None)
     assert s.shm_bytes == 2 * GIB  # base only: no tier in /dev/shm
-    assert s.memory_increase_bytes == 2 * GIB + sizing.GPU_DIRECT_STAGING_BYTES + GIB
+    assert s.memory_increase_bytes == 2 * GIB + sizing.NO_CPU_TIER_STAGING_BYTES + GIB
     kept = sizing.pod_sizing(spec, 20 * GIB)
     assert kept.shm_bytes == 20 * GIB
-    assert kept.memory_increase_bytes == sizing.GPU_DIRECT_STAGING_BYTES + GIB
+    assert kept.memory_increase_bytes == sizing.NO_CPU_TIER_STAGING_BYTES + GIB
 
 
-def test_gpu_direct_staging_size_from_the_cr_per_worker_process():
+@pytest.mark.parametrize("name", ["hostStagingSize", "stagingSize"])
+def test_host_staging_size_and_its_deprecated_name_stage_alike(name):
+    t = tpc({"cpu": None, "storage": {name: "256Mi"}})
+    assert t.spec.storage.staging_bytes == 256 * 2**20
+    assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 * 2**20
+    warned = deprecations(t)
+    assert warned == (["spec.storage.stagingSize is deprecated: rename it hostStagingSize "
+                       "(the same setting)"] if name == "stagingSize" else [])
+
+
+def test_no_cpu_tier_staging_size_from_the_cr_per_worker_process():
     t = tpc({"cpu": None, "storage": {"stagingSize": "256Mi"}})
     assert kv_transfer_config(t)["kv_connector_extra_config"]["max_staging_bytes"] == 256 << 20
     one = sizing.pod_sizing(t.spec, 20 * GIB)
@@ -182,11 +194,14 @@ def test_gpu_direct_staging_size_from_the_cr_per_worker_process():
 
 
 @pytest.mark.parametrize(("patch", "needle"), [
-    ({"storage": {"stagingSize": "1Gi"}}, "spec.storage.stagingSize applies without a CPU tier"),
+    ({"storage": {"stagingSize": "1Gi"}}, "spec.storage.hostStagingSize applies without a CPU"),
+    ({"storage": {"hostStagingSize": "1Gi"}}, "spec.storage.hostStagingSize applies without a CPU"),
+    ({"cpu": None, "storage": {"stagingSize": "1Gi", "hostStagingSize": "1Gi"}},
+     "stagingSize is hostStagingSize's deprecated name"),
     ({"cpu": None, "storage": {"stagingSize": "4Ki"}}, "too small to stage a KV block"),
 ])
 def test_staging_size_is_refused_where_it_means_nothing(patch, needle):
-    from kvtier_operator.loading import InvalidResource
+    from kvtier_operator.validation import InvalidResource
 
     with pytest.raises(InvalidResource) as err:
         tpc(patch)
@@ -207,9 +222,9 @@ def test_worker_processes_of_a_container(container, workers):
 
 def test_router_capacity_from_geometry():
     # Qwen3-32B: 256 KiB/token x 16 tokens = 4 MiB per router block; 100 GiB / 4 MiB.
-    assert sizing.router_lru_capacity(tpc().spec) == 25600
+    assert adapter_for(tpc().spec).router_cpu_blocks(tpc().spec) == 25600
     bigger_blocks = tpc({"router": {"blockSize": 64}}).spec
-    assert sizing.router_lru_capacity(bigger_blocks) == 6400
+    assert adapter_for(bigger_blocks).router_cpu_blocks(bigger_blocks) == 6400
 
 
 # -------------------------------------------------------------- injection
@@ -255,7 +270,7 @@ def test_inject_vllm_fs_has_no_init_container_or_pythonpath():
     assert "PYTHONPATH" not in env_of(c_pod["spec"]["containers"][0])
 
 
-def test_inject_gpu_direct_mounts_claim_and_backend_but_no_tier():
+def test_inject_no_cpu_tier_mounts_claim_and_backend_but_no_tier():
     t = tpc({"cpu": None})
     c_pod = inject(t, vllm_pod(resources={"requests": {"memory": "100Gi"}}), CTX).pod
     c = c_pod["spec"]["containers"][0]
@@ -392,7 +407,7 @@ def test_config_hash_tracks_what_pods_carry():
     base = config_hash(tpc(), CTX)
     assert base == config_hash(tpc(), CTX)
     assert base != config_hash(tpc({"cpu": {"size": "50Gi"}}), CTX)
-    assert base != config_hash(tpc(), RenderContext(sidecar_image="reg/other:2"))
+    assert base != config_hash(tpc(), RenderContext(offload_image="reg/other:2"))
     # eviction settings never reach the pod: changing them must not restart model servers
     assert base == config_hash(tpc({"eviction": {"highWatermark": 95}}), CTX)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier_operator.models import LabelSelector
+from kvtier_operator.api.v1alpha1 import LabelSelector
 from kvtier_operator.webhook import selectors_may_overlap
 
 
@@ -37,7 +37,7 @@ def test_overlap(a, b, overlap):
 
 
 def test_a_selector_is_bounded_in_size():
-    from kvtier_operator.models import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
+    from kvtier_operator.api.v1alpha1 import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
 
     too_many = [("k", "NotIn", [f"v{i}"]) for i in range(MAX_SELECTOR_TERMS + 1)]
     with pytest.raises(ValueError, match="at most"):
@@ -52,7 +52,7 @@ def test_the_overlap_check_stays_cheap_at_its_bounds():
     import time
 
     from kvtier_operator.admission import rules_may_overlap, selector_rules
-    from kvtier_operator.models import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
+    from kvtier_operator.api.v1alpha1 import MAX_SELECTOR_TERMS, MAX_SELECTOR_VALUES
 
     big = sel(None, *[("k", "NotIn", [f"v{t}-{i}" for i in range(MAX_SELECTOR_VALUES)])
                       for t in range(MAX_SELECTOR_TERMS)])

@@ -8,12 +8,12 @@ import re
 import pytest
 
 from kvtier_evictor import cli as evictor_cli
-from kvtier_operator.loading import InvalidResource, parse_tpc
-from kvtier_operator.render import sglang_hicache
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.sglang import hicache as sglang_hicache
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import inject_workload
 from kvtier_operator.render.router import endpoint_picker_config
+from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import ROOT, example, tpc_doc
 
 SGLANG = {"engine": "sglang", "sglang": {}}

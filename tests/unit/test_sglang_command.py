@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from kvtier_operator.render import shell
-from kvtier_operator.render.sglang_entry import (
+from kvtier_operator.engines.cmdline import shell
+from kvtier_operator.engines.sglang.entry import (
     entry_point_end,
     mention_offsets,
     mentions_entry_point,
 )
-from kvtier_operator.render.sglang_flags import Flag, Forbidden, add_flags, existing_flags
+from kvtier_operator.engines.sglang.flags import Flag, Forbidden, add_flags, existing_flags
+from kvtier_operator.engines.vllm.entry import ENTRY_POINT as VLLM_ENTRY
 from tests.unit.test_inject_hostile import kube_expand
 
 FLAGS = [
@@ -258,10 +259,10 @@ def test_hostile_values_never_reach_the_script(value, stubs, tmp_path):
 
 
 def test_script_scanner_still_reads_vllm_by_default():
-    found = shell.find_entry_point("exec vllm serve m --port 1")
+    found = shell.find_entry_point("exec vllm serve m --port 1", VLLM_ENTRY)
     assert found.insert_at == len("exec vllm serve m --port 1")
     assert found.args == ("m", "--port", "1")
-    assert shell.find_entry_point("exec sglang serve m").problem == (
+    assert shell.find_entry_point("exec sglang serve m", VLLM_ENTRY).problem == (
         "the script does not start vLLM itself")
 
 

@@ -13,10 +13,10 @@ import itertools
 
 import pytest
 
-from kvtier_operator.models import SglangIoBackend as IoBackend
-from kvtier_operator.models import SglangWritePolicy as WritePolicy
-from kvtier_operator.render import sglang_hicache
-from kvtier_operator.render.sglang_flags import add_flags
+from kvtier_operator.api.v1alpha1 import SglangIoBackend as IoBackend
+from kvtier_operator.api.v1alpha1 import SglangWritePolicy as WritePolicy
+from kvtier_operator.engines.sglang import hicache as sglang_hicache
+from kvtier_operator.engines.sglang.flags import add_flags
 
 try:
     from sglang.srt import environ as sglang_environ

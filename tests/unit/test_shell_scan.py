@@ -7,25 +7,28 @@ import time
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render import kube_expansion, shell, vllm_entry
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.cmdline import kube_expansion, shell
+from kvtier_operator.engines.cmdline.argv import program_start
+from kvtier_operator.engines.vllm import entry as vllm_entry
+from kvtier_operator.engines.vllm.entry import ENTRY_POINT as VLLM_ENTRY
 from kvtier_operator.render.pod import inject
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
 OPTION = " OPT"
 
 
 def edited(script: str) -> str:
     """script with OPTION where the scanner says options go; fails if it refuses."""
-    found = shell.find_entry_point(script)
+    found = shell.find_entry_point(script, VLLM_ENTRY)
     assert found.insert_at is not None, found.problem
     return script[:found.insert_at] + OPTION + script[found.insert_at:]
 
 
 def problem(script: str) -> str:
-    found = shell.find_entry_point(script)
+    found = shell.find_entry_point(script, VLLM_ENTRY)
     assert found.insert_at is None, f"edited at {found.insert_at}"
     assert found.problem
     return found.problem
@@ -71,7 +74,7 @@ def test_script_index_refuses_what_it_cannot_read(words, needle):
 
 def test_script_index_after_a_launcher():
     words = ["tini", "--", "sh", "-c", "s"]
-    assert shell.script_index(words, vllm_entry.program_start(words)) == 4
+    assert shell.script_index(words, program_start(words)) == 4
 
 
 # ------------------------------------------------------------ the scanner: edits
@@ -230,7 +233,7 @@ def test_entry_point_end(words, end):
     ([], 0),
 ])
 def test_program_start(words, start):
-    assert vllm_entry.program_start(words) == start
+    assert program_start(words) == start
 
 
 # ------------------------------------------------------------ the kubelet's rewrites
@@ -263,7 +266,7 @@ HUGE = 2_500_000
                                   "'vllm' ", "a;", "$(a)", "#vllm serve\n"])
 def test_a_huge_script_is_classified_fast(unit):
     script = unit * (HUGE // len(unit))
-    assert fastest_ms(lambda: shell.find_entry_point(script)) < 50
+    assert fastest_ms(lambda: shell.find_entry_point(script, VLLM_ENTRY)) < 50
 
 
 @pytest.mark.parametrize("unit", ["vllm ", "vllm\t\t\t\t\t\t\t\t", "vllm serve ", "a;"])
@@ -287,9 +290,9 @@ def test_the_longest_script_read_is_classified_fast(unit):
     tail = "\nexec vllm serve m"
     script = unit * ((shell.MAX_SCRIPT_CHARS - len(tail)) // len(unit)) + tail
     assert len(script) <= shell.MAX_SCRIPT_CHARS
-    assert shell.find_entry_point(script).insert_at == len(script)
+    assert shell.find_entry_point(script, VLLM_ENTRY).insert_at == len(script)
     # about 20 ms on an idle 2-core VM; the bound leaves room for a loaded machine
-    assert fastest_ms(lambda: shell.find_entry_point(script)) < 100
+    assert fastest_ms(lambda: shell.find_entry_point(script, VLLM_ENTRY)) < 100
 
 
 @pytest.mark.parametrize("unit", ["a;", "x>y ", "$(a)", '"x"', "a b c d "])
@@ -299,5 +302,5 @@ def test_the_scan_is_linear(unit, monkeypatch):
     big = 16 * shell.MAX_SCRIPT_CHARS
     monkeypatch.setattr(shell, "MAX_SCRIPT_CHARS", big)
     script = unit * ((big - len(tail)) // len(unit)) + tail
-    assert shell.find_entry_point(script).insert_at == len(script)
-    assert fastest_ms(lambda: shell.find_entry_point(script), repeat=2) < 2000
+    assert shell.find_entry_point(script, VLLM_ENTRY).insert_at == len(script)
+    assert fastest_ms(lambda: shell.find_entry_point(script, VLLM_ENTRY), repeat=2) < 2000

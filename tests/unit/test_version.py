@@ -13,7 +13,7 @@ import yaml
 import kvtier_evictor
 import kvtier_offload
 from kvtier_operator import __version__
-from kvtier_operator.render.context import DEFAULT_OPERATOR_IMAGE, DEFAULT_SIDECAR_IMAGE
+from kvtier_operator.context import DEFAULT_OFFLOAD_IMAGE, DEFAULT_OPERATOR_IMAGE
 from tests.helpers import ROOT
 
 
@@ -34,7 +34,7 @@ def test_the_chart_and_its_images_carry_the_version():
     assert str(chart["version"]) == __version__, "bump charts/kvtier/Chart.yaml version"
     assert str(chart["appVersion"]) == __version__, "bump charts/kvtier/Chart.yaml appVersion"
     values = yaml.safe_load((ROOT / "charts" / "kvtier" / "values.yaml").read_text())
-    for image in ("image", "sidecarImage"):
+    for image in ("image", "offloadImage"):
         assert values[image]["tag"] == "", f"values.yaml {image}.tag must default to appVersion"
 
 
@@ -42,7 +42,7 @@ def test_the_other_packages_and_the_default_images_carry_the_version():
     assert kvtier_evictor.__version__ == __version__, "bump kvtier_evictor.__version__"
     assert kvtier_offload.__version__ == __version__, "bump kvtier_offload.__version__"
     assert DEFAULT_OPERATOR_IMAGE.endswith(f":{__version__}")
-    assert DEFAULT_SIDECAR_IMAGE.endswith(f":{__version__}")
+    assert DEFAULT_OFFLOAD_IMAGE.endswith(f":{__version__}")
 
 
 def test_make_images_tags_with_the_version():

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_operator.engines import vllm_kvbm, vllm_mooncake, vllm_tpu
-from kvtier_operator.loading import parse_tpc
+from kvtier_operator.engines.tpu import adapter as vllm_tpu
+from kvtier_operator.engines.vllm import kvbm as vllm_kvbm
+from kvtier_operator.engines.vllm import mooncake as vllm_mooncake
 from kvtier_operator.render.connector import connector_env, kv_transfer_config
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import ROOT, tpc_doc
 
 SOURCES = Path(os.environ.get("KVTIER_ENGINE_SOURCES", ROOT / ".venv" / "engine-sources"))

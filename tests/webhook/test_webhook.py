@@ -17,8 +17,8 @@ import yaml
 
 from kvtier_demo.certs import make_certs
 from kvtier_demo.samples import VLLM_GPU, sample_workload
-from kvtier_operator.render import names
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator import names
+from kvtier_operator.context import RenderContext
 from kvtier_operator.webhook import (
     MUTATE_PATH,
     VALIDATE_PATH,
@@ -31,7 +31,7 @@ from kvtier_operator.webhook import (
 )
 from tests.helpers import EXAMPLES, tpc_doc
 
-CTX = RenderContext(sidecar_image="reg/kvtier-offload:1")
+CTX = RenderContext(offload_image="reg/kvtier-offload:1")
 K8S = kubernetes_validate.latest_version()
 CR_EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))}
 CR_EXAMPLES = {n: d for n, d in CR_EXAMPLES.items() if d["kind"] == "TieredPrefixCache"}
@@ -387,3 +387,20 @@ def test_diff_patch_applies_with_an_independent_implementation(src, dst):
     from kvtier_operator.webhook import diff_patch
 
     assert jsonpatch.apply_patch(copy.deepcopy(src), diff_patch(src, dst)) == dst
+
+
+@pytest.mark.parametrize(("spec", "warning"), [
+    ({"cpu": None, "storage": {"stagingSize": "2Gi"}},
+     "kvtier: spec.storage.stagingSize is deprecated: rename it hostStagingSize"),
+    ({"cpu": None, "storage": {"hostStagingSize": "2Gi"}}, None),
+    ({"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128, "stagingSize": "512Mi"}},
+     "kvtier: spec.tpu.stagingSize is deprecated: rename it hbmStagingSize"),
+    ({"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128,
+                                                       "hbmStagingSize": "512Mi"}}, None),
+])
+async def test_a_deprecated_field_name_is_accepted_with_a_warning(webhook, spec, warning):
+    _, answer = await webhook.post(VALIDATE_PATH, review(tpc_doc(spec, name="d",
+                                                                  namespace="llm-d")))
+    r = answer["response"]
+    assert r["allowed"] is True
+    assert [w.split(" (")[0] for w in r.get("warnings", [])] == ([warning] if warning else [])

@@ -12,8 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier_operator.render import names
-from kvtier_operator.render.sglang_hicache import ENV_STORAGE_DIR
+from kvtier_operator import names
+from kvtier_operator.engines.sglang.hicache import ENV_STORAGE_DIR
 from kvtier_operator.webhook import MUTATE_PATH
 from tests.helpers import EXAMPLES
 from tests.webhook.test_webhook import K8S, apply, review, webhook  # noqa: F401

@@ -12,6 +12,10 @@ app.kubernetes.io/name: kvtier
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- define "kvtier.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
-{{- define "kvtier.sidecarImage" -}}{{ .Values.sidecarImage.repository }}:{{ .Values.sidecarImage.tag | default .Chart.AppVersion }}{{- end -}}
+{{- define "kvtier.offloadImage" -}}
+{{- /* sidecarImage: offloadImage's name before 0.2 (deprecated), overriding it when set */ -}}
+{{- $image := merge (dict) (.Values.sidecarImage | default dict) .Values.offloadImage -}}
+{{ $image.repository }}:{{ $image.tag | default .Chart.AppVersion }}
+{{- end -}}
 {{- define "kvtier.webhookService" -}}{{ include "kvtier.fullname" . }}-webhook{{- end -}}
 {{- define "kvtier.certSecret" -}}{{ include "kvtier.fullname" . }}-webhook-tls{{- end -}}

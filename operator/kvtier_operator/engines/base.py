@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     Connector,
     Engine,
     StorageBackend,
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.sizing import PodSizing
 
 ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
 
@@ -47,6 +47,15 @@ class Prerequisite:
 
 
 @dataclass(frozen=True)
+class NoCpuTier:
+    """An adapter that serves without spec.cpu: only on this shared-tier backend; the
+    refusal otherwise names what to add."""
+
+    backend: StorageBackend
+    message: str
+
+
+@dataclass(frozen=True)
 class ExtraVolume:
     """A volume the engine needs mounted (beyond the shared tier's claim)."""
 
@@ -58,6 +67,10 @@ class ExtraVolume:
 class Launcher(ABC):
     """How an engine is started in a container."""
 
+    label: ClassVar[str]  # the engine's name in messages ("vLLM", "SGLang")
+    # Text the launcher writes into a `sh -c` script that no spec field shows: part of the
+    # config hash, so a change to it restarts pods.
+    script_option: ClassVar[str]
     command_words: ClassVar[str]  # how its start reads, for messages ("vllm serve")
 
     @abstractmethod
@@ -95,11 +108,14 @@ class Adapter(ABC):
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = ()
     # The spec block only this adapter reads, required with it (e.g. "tpu", "mooncake").
     settings_block: ClassVar[str | None] = None
+    # Whether spec.cpu may be left out (files straight from accelerator memory), and on
+    # which backend; validation turns it into the CRD's rule.
+    no_cpu_tier: ClassVar[NoCpuTier | None] = None
 
     # ---------------------------------------------------------------- the spec
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         """Raise ValueError naming the field and the fix for what this adapter refuses
-        beyond the registry's generic checks (registry.check_spec)."""
+        beyond the generic checks (validation/engine_rules.check_spec)."""
         if spec.cpu is None:
             raise ValueError(f"spec.cpu is required with {self.describe()}; add cpu.size, "
                              "e.g. 100Gi")
@@ -132,6 +148,11 @@ class Adapter(ABC):
         spec, or None. `workload`: the workload whose template `pod` is (kvtier render),
         else `pod` is a real pod (the webhook)."""
         return None
+
+    def fingerprint(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        """The config hash's inputs beyond the pod plan's (plan.py): what the launcher
+        writes that no spec field shows, and settings that only this engine reads."""
+        return {"scriptOption": self.launcher.script_option}
 
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.engines.base import PodRole
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.engines.vllm_gpu import (  # noqa: F401  (the names callers know)
-    KVTIER_CONNECTOR,
-    KVTIER_CONNECTOR_MODULE,
-    KVTIER_SPEC_MODULE,
-    KVTIER_SPEC_NAME,
-    KVTIER_TIER_MODULE,
-    KVTIER_TIER_TYPE,
-    LMCACHE_DISK_DIR,
-)
-from kvtier_operator.engines.vllm_launch import kv_transfer_json as _json
-from kvtier_operator.models import TieredPrefixCache
 
 
 def kv_transfer_config(tpc: TieredPrefixCache) -> dict[str, Any]:
     """The options the engine's command line gets (for vLLM, --kv-transfer-config)."""
     options: dict[str, Any] = adapter_for(tpc.spec).launch_options(tpc)
     return options
-
-
-def kv_transfer_json(tpc: TieredPrefixCache) -> str:
-    return _json(kv_transfer_config(tpc))
 
 
 def connector_env(tpc: TieredPrefixCache, role: PodRole = PodRole.server) -> dict[str, str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator import names
+from kvtier_operator.api.quantity import quantity_bytes
+from kvtier_operator.api.v1alpha1 import CapacitySource, TieredPrefixCache
+from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.models import CapacitySource, TieredPrefixCache
-from kvtier_operator.quantity import quantity_bytes
-from kvtier_operator.render import names
-from kvtier_operator.render.context import RenderContext
 
 EVICTOR_MOUNT = "/kv-cache"
 EVICTOR_UID = 65532

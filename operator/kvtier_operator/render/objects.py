@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_operator.models import TieredPrefixCache
-from kvtier_operator.render.context import RenderContext
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import render_router_configmap

@@ -1,6 +1,7 @@
 """Inject a TieredPrefixCache into a model-server pod (or a workload's pod template).
 
-`inject()` is pure: it returns a new pod and never edits the one given. When anything
+`inject_plan()` applies a cache's pod plan (plan.py) and only reads it; `inject()` builds
+the plan first. Both are pure: they return a new pod and never edit the one given. When anything
 would override the user's own settings it changes nothing and lists the conflicts, so
 the caller can report them instead of silently rewriting a pod.
 """
@@ -8,26 +9,17 @@ the caller can report them instead of silently rewriting a pod.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.engines.vllm_launch import (  # noqa: F401  (the names callers know)
-    KV_TRANSFER_FLAG,
-    MAX_COMMAND_CHARS,
-    SCRIPT_OPTION,
-    command_line,
-    runs_vllm,
-)
-from kvtier_operator.models import TieredPrefixCache
-from kvtier_operator.quantity import format_bytes, quantity_bytes
-from kvtier_operator.render import kube_expansion, names
-from kvtier_operator.render.context import RenderContext
-
-FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
+from kvtier_operator import names
+from kvtier_operator.api.quantity import format_bytes, quantity_bytes
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.base import PodRole
+from kvtier_operator.engines.cmdline import kube_expansion
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.plan import PodPlan, pod_plan
 
 
 @dataclass
@@ -40,47 +32,17 @@ class Injection:
 
 
 def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
-    """Hash of everything injection puts into a pod for this spec; a pod carrying another
-    hash (or none) is pending a restart. The same for a leader and its workers."""
-    spec = tpc.spec
-    adapter = adapter_for(spec)
-    doc: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "kvTransferConfig": adapter.launch_options(tpc),
-        "env": injected_env(tpc),
-        "scriptOption": SCRIPT_OPTION,
-        "cpu": spec.cpu_bytes,
-        "claim": names.claim_name(tpc),
-        "mountPath": spec.storage.mount_path if spec.storage else None,
-        "sidecarImage": ctx.sidecar_image if adapter.needs_offload_package(spec) else None,
-        "containerName": spec.container_name,
-    }
-    # Keys only engines other than vLLM on GPU have, so existing pods keep their hash.
-    extra = adapter.extra_volumes(tpc)
-    if extra:
-        doc["volumes"] = [[v.volume, v.mount_path, v.read_only] for v in extra]
-    if spec.tpu is not None:
-        doc["tpu"] = spec.tpu.model_dump(mode="json")
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    """The config hash pods of this cache must carry (the plan's; see plan.py)."""
+    return pod_plan(tpc, ctx).hash()
 
 
-def injected_env(tpc: TieredPrefixCache, role: PodRole = PodRole.server) -> dict[str, str]:
-    """The env vars injection sets, by name, as the process sees them (unescaped)."""
-    adapter = adapter_for(tpc.spec)
-    env = adapter.env(tpc, role)
-    if role == PodRole.server:
-        env |= adapter.launcher.options_env(adapter.launch_options(tpc))
-    return env
-
-
-def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]
+def find_container(plan: PodPlan, pod_spec: dict[str, Any]
                    ) -> tuple[dict | None, PodRole, str]:
     """The container to inject, its role (the engine's server, or a multi-host worker
     that only gets env and memory), or None and why not."""
-    adapter = adapter_for(tpc.spec)
-    launcher = adapter.launcher
+    launcher = plan.adapter.launcher
     containers = pod_spec.get("containers") or []
-    wanted = tpc.spec.container_name
+    wanted = plan.container_name
     if wanted:
         for c in containers:
             if c.get("name") == wanted:
@@ -115,7 +77,7 @@ def find_container(tpc: TieredPrefixCache, pod_spec: dict[str, Any]
             "model-server container"
         )
     listed = ", ".join(c.get("name", "?") for c in found)
-    what = "vLLM" if role == PodRole.server else "a multi-host worker"
+    what = launcher.label if role == PodRole.server else "a multi-host worker"
     return None, role, f"several containers run {what} ({listed}); set spec.containerName"
 
 
@@ -196,8 +158,8 @@ def _add_volume(pod_spec: dict[str, Any], volume: dict[str, Any], conflicts: lis
     volumes.append(volume)
 
 
-def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixCache,
-         adapter: Adapter, role: PodRole, conflicts: list[str]) -> int:
+def _shm(pod_spec: dict[str, Any], container: dict[str, Any], plan: PodPlan,
+         role: PodRole, conflicts: list[str]) -> int:
     """Size a memory-backed /dev/shm where the engine keeps its CPU tier there (resize the
     pod's own if it has one, else add ours); returns the memory request increase."""
     before: int | None = None
@@ -209,7 +171,7 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixC
                       None)
         empty_dir = (volume or {}).get("emptyDir")
         if empty_dir is None or empty_dir.get("medium") != "Memory":
-            result = adapter.pod_sizing(tpc.spec, None, container, role)
+            result = plan.adapter.pod_sizing(plan.tpc.spec, None, container, role)
             if result.shm_bytes is not None:
                 conflicts.append(
                     f"container {container.get('name')!r} mounts /dev/shm from volume "
@@ -219,7 +181,7 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixC
             return result.memory_increase_bytes
         before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
         break
-    result = adapter.pod_sizing(tpc.spec, before, container, role)
+    result = plan.adapter.pod_sizing(plan.tpc.spec, before, container, role)
     if result.shm_bytes is None:
         return result.memory_increase_bytes  # the engine keeps nothing in /dev/shm
     if empty_dir is not None:
@@ -232,11 +194,11 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], tpc: TieredPrefixC
     return result.memory_increase_bytes
 
 
-def init_container(ctx: RenderContext) -> dict[str, Any]:
+def init_container(image: str, pull_policy: str) -> dict[str, Any]:
     return {
         "name": names.INIT_CONTAINER,
-        "image": ctx.sidecar_image,
-        "imagePullPolicy": ctx.image_pull_policy,
+        "image": image,
+        "imagePullPolicy": pull_policy,
         "command": ["python3", "-m", "kvtier_offload", "install", "--target", names.SITE_MOUNT],
         "volumeMounts": [{"name": names.VOLUME_SITE, "mountPath": names.SITE_MOUNT}],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
@@ -254,23 +216,29 @@ def init_container(ctx: RenderContext) -> dict[str, Any]:
 
 def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
            workload: dict[str, Any] | None = None) -> Injection:
-    """The pod with the cache injected, or the pod unchanged plus the conflicts.
+    """inject_plan with the cache's plan (computed here: callers that inject many pods
+    for one cache build the plan once and call inject_plan)."""
+    return inject_plan(pod_plan(tpc, ctx), pod, workload)
+
+
+def inject_plan(plan: PodPlan, pod: dict[str, Any],
+                workload: dict[str, Any] | None = None) -> Injection:
+    """The pod with the plan injected, or the pod unchanged plus the conflicts.
     `workload`: the workload whose pod template `pod` is (None: `pod` is a real pod)."""
-    digest = config_hash(tpc, ctx)
+    digest = plan.hash()
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if annotations.get(names.ANNOTATION_CONFIG_HASH) == digest:
         return Injection(pod=pod, changed=False, container=None, config_hash=digest)
 
     out = copy.deepcopy(pod)
     pod_spec = out.setdefault("spec", {})
-    container, role, why = find_container(tpc, pod_spec)
+    container, role, why = find_container(plan, pod_spec)
     if container is None:
         return Injection(pod=pod, changed=False, container=None, config_hash=digest,
                          conflicts=[why])
-    spec = tpc.spec
-    adapter = adapter_for(spec)
+    adapter = plan.adapter
     conflicts: list[str] = []
-    group = adapter.group_conflict(spec, pod, workload)
+    group = adapter.group_conflict(plan.tpc.spec, pod, workload)
     if group:
         conflicts.append(group)
     if role == PodRole.server:
@@ -281,34 +249,33 @@ def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
                 "kvtier will not override hand-made offloading: remove those flags"
             )
         else:
-            problem = adapter.launcher.add_options(container, adapter.launch_options(tpc))
+            problem = adapter.launcher.add_options(container, plan.launch_options)
             if problem:
                 conflicts.append(problem)
-    _merge_env(container, injected_env(tpc, role), conflicts)
-    increase = _shm(pod_spec, container, tpc, adapter, role, conflicts)
+    _merge_env(container, plan.env(role), conflicts)
+    increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container.setdefault("resources", {}), increase)
-    claim = names.claim_name(tpc)
-    if spec.storage is not None and claim is not None:
+    if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
-                               "persistentVolumeClaim": {"claimName": claim}}, conflicts)
-        _mount(container, names.VOLUME_CACHE, spec.storage.mount_path, conflicts)
-    for extra in adapter.extra_volumes(tpc):
+                               "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)
+        _mount(container, names.VOLUME_CACHE, plan.mount_path, conflicts)
+    for extra in plan.extra_volumes:
         _add_volume(pod_spec, extra.volume, conflicts)
         _mount(container, extra.volume["name"], extra.mount_path, conflicts,
                read_only=extra.read_only)
-    if adapter.needs_offload_package(spec):
+    if plan.offload_image is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
         _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)
         _prepend_pythonpath(container, conflicts)
         inits = pod_spec.setdefault("initContainers", [])
         if not any(c.get("name") == names.INIT_CONTAINER for c in inits):
-            inits.append(init_container(ctx))
+            inits.append(init_container(plan.offload_image, plan.image_pull_policy))
     if conflicts:
         return Injection(pod=pod, changed=False, container=container.get("name"),
                          config_hash=digest, conflicts=conflicts)
     meta = out.setdefault("metadata", {})
     meta_annotations = meta.setdefault("annotations", {})
-    meta_annotations[names.ANNOTATION_CACHE] = tpc.name
+    meta_annotations[names.ANNOTATION_CACHE] = plan.tpc.name
     meta_annotations[names.ANNOTATION_CONFIG_HASH] = digest
     return Injection(pod=out, changed=True, container=container.get("name"), config_hash=digest)
 
@@ -340,6 +307,7 @@ def inject_workload(tpc: TieredPrefixCache, obj: dict[str, Any],
         )
     out = copy.deepcopy(obj)
     conflicts: list[str] = []
+    plan = pod_plan(tpc, ctx)
     for path in paths:
         parent: Any = out
         for key in path[:-1]:
@@ -347,7 +315,7 @@ def inject_workload(tpc: TieredPrefixCache, obj: dict[str, Any],
         template = parent.get(path[-1]) if path else out
         if template is None:
             continue
-        result = inject(tpc, template, ctx, workload=None if kind == "Pod" else obj)
+        result = inject_plan(plan, template, workload=None if kind == "Pod" else obj)
         conflicts += result.conflicts
         if path:
             parent[path[-1]] = result.pod

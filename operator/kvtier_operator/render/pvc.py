@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier_operator.models import DeletePolicy, TieredPrefixCache
-from kvtier_operator.render import names
+from kvtier_operator import names
+from kvtier_operator.api.v1alpha1 import DeletePolicy, TieredPrefixCache
 
 
 def render_pvc(tpc: TieredPrefixCache) -> dict[str, Any] | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator import names
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.models import TieredPrefixCache
-from kvtier_operator.render import names
 from kvtier_operator.yamlio import dump
 
 PLUGINS_FILE = "tiered-prefix-cache-plugins.yaml"

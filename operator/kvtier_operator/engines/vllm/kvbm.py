@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.vllm_launch import VLLM
-from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import GB, PodSizing
+from kvtier_operator.engines.sizing import GB, PodSizing, pinned_process_sizing
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.engines.vllm.launch import VLLM
 
 KVBM_CONNECTOR = "DynamoConnector"
 KVBM_CONNECTOR_MODULE = "kvbm.vllm_integration.connector"
@@ -39,4 +39,4 @@ class VllmKvbm(Adapter):
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
-        return sizing.pinned_process_sizing(sizing.kvbm_cpu_gb(spec) * GB, existing_shm_bytes)
+        return pinned_process_sizing(sizing.kvbm_cpu_gb(spec) * GB, existing_shm_bytes)

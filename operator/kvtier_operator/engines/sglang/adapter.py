@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvtier_operator.engines.base import Adapter, Launcher, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     Connector,
     Engine,
     SglangIoBackend,
@@ -17,8 +15,12 @@ from kvtier_operator.models import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.render import sglang_entry, sglang_flags, sglang_hicache, sizing, vllm_entry
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.base import Adapter, Launcher, PodRole
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, program_start
+from kvtier_operator.engines.sglang import entry as sglang_entry
+from kvtier_operator.engines.sglang import flags as sglang_flags
+from kvtier_operator.engines.sglang import hicache as sglang_hicache
+from kvtier_operator.engines.sizing import GB, PodSizing, pinned_process_sizing
 
 EVICTOR_LAYOUT = "sglang"  # kvtier_evictor.layouts.SGLANG
 
@@ -32,11 +34,16 @@ class SglangLauncher(Launcher):
     script; options: the SGLang settings of the spec (a dict, see launch_options), turned
     into flags per container (--hicache-size depends on its ranks)."""
 
+    label: ClassVar[str] = "SGLang"
+    # SGLang's flags are plain words (hashed through the options); this is the text the
+    # config hash has carried for SGLang pods since it was vLLM's for every engine: kept,
+    # so running SGLang pods keep their hash.
+    script_option: ClassVar[str] = ' --kv-transfer-config "$KVTIER_KV_TRANSFER_CONFIG"'
     command_words: ClassVar[str] = "'sglang serve' or 'python3 -m sglang.launch_server'"
 
     def runs_server(self, container: dict[str, Any]) -> bool:
         words = _words(container)
-        start = vllm_entry.program_start(words)
+        start = program_start(words)
         if sglang_entry.entry_point_end(words, start) is not None:
             return True
         return sglang_entry.mentions_entry_point(" ".join(words))
@@ -97,12 +104,14 @@ class SglangHicache(Adapter):
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         super().validate(spec)
-        if spec.cpu_bytes < sglang_hicache.GB:
+        if spec.cpu_bytes < GB:
             raise ValueError(f"spec.cpu.size {spec.cpu.size if spec.cpu else 0} is under "
                              "1 GB, the smallest HiCache size SGLang takes per rank; raise it")
         s = spec.storage
         if s is not None:
-            for field, value in (("blockSize", s.block_size), ("stagingSize", s.staging_size),
+            for field, value in (("blockSize", s.block_size),
+                                 ("hostStagingSize", s.host_staging_size),
+                                 ("stagingSize", s.staging_size),
                                  ("maxSizePerReplica", s.max_size_per_replica)):
                 if value is not None:
                     raise ValueError(
@@ -132,7 +141,7 @@ class SglangHicache(Adapter):
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         # The host pools are pinned process memory; /dev/shm is the user's (NCCL). SGLang
         # wants its host reserve free below the limit on top of the pools.
-        return sizing.pinned_process_sizing(
+        return pinned_process_sizing(
             spec.cpu_bytes + sglang_hicache.HOST_MEMORY_RESERVE_BYTES, existing_shm_bytes)
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:

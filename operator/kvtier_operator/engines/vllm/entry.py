@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from kvtier_operator.engines.cmdline.argv import PYTHON, PYTHON_FLAGS, program
+from kvtier_operator.engines.cmdline.shell import EntryPoint
+
 # `python -m <module>` spellings of vLLM's OpenAI server; the CLI module takes `serve`.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CLI_MODULE = "vllm.entrypoints.cli.main"
-# Interpreter options that take no argument, allowed between `python` and `-m`.
-PYTHON_FLAGS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-S", "-E", "-I", "-P"})
-_PYTHON = re.compile(r"python(?:3(?:\.[0-9]+)?)?")
 # A mention: "vllm" with a module suffix, or followed (over blanks, quotes and
 # backslashes) by the word "serve". A regex with a literal head, so Python's search skips
 # to each "vllm" in C; the blank run can only be rescanned up to the next "v", so the
@@ -30,11 +30,6 @@ _MENTION = re.compile(
 )
 
 
-def program(word: str) -> str:
-    """The program a command word names: its last path component."""
-    return word.rsplit("/", 1)[-1]
-
-
 def entry_point_end(words: Sequence[str], at: int) -> int | None:
     """When words[at:] start vLLM's server, the index of the entry point's last word (the
     one options may follow), else None: `vllm serve`, `python[3] -m <server module>` or
@@ -44,7 +39,7 @@ def entry_point_end(words: Sequence[str], at: int) -> int | None:
     name = program(words[at])
     if name == "vllm":
         return at + 1 if at + 1 < len(words) and words[at + 1] == "serve" else None
-    if not _PYTHON.fullmatch(name):
+    if not PYTHON.fullmatch(name):
         return None
     k = at + 1
     while k < len(words) and words[k] in PYTHON_FLAGS:
@@ -67,22 +62,7 @@ def mentions_entry_point(text: str) -> bool:
     return _MENTION.search(text) is not None
 
 
-# Launchers that run the rest of their command line as given.
-_LAUNCHERS = frozenset({"tini", "dumb-init"})
-_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.DOTALL)
-
-
-def program_start(words: Sequence[str]) -> int:
-    """Index of the program a command line runs, past one launcher: `tini [--]`,
-    `dumb-init [--]` or `env NAME=value...`."""
-    if not words:
-        return 0
-    name = program(words[0])
-    if name in _LAUNCHERS:
-        return 2 if len(words) > 1 and words[1] == "--" else 1
-    if name == "env":
-        i = 1
-        while i < len(words) and _ENV_ASSIGNMENT.fullmatch(words[i]):
-            i += 1
-        return i
-    return 0
+# How the `sh -c` scanner (cmdline/shell.py) recognises vLLM's server.
+ENTRY_POINT = EntryPoint(label="vLLM", needle="vllm", end=entry_point_end,
+                         mentions=mention_offsets,
+                         modules=frozenset({SERVER_MODULE, CLI_MODULE}))

@@ -7,12 +7,13 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from kvtier_operator.api.quantity import format_bytes
+from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VllmLauncher, command_line
-from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
-from kvtier_operator.quantity import format_bytes
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.engines.sizing import PodSizing, pinned_process_sizing
+from kvtier_operator.engines.tpu import sizing
+from kvtier_operator.engines.vllm.launch import VllmLauncher
 
 TPU_CONNECTOR = "TPUOffloadConnector"
 TPU_CONNECTOR_MODULE = "tpu_inference.offload.tpu_offload_connector"
@@ -55,11 +56,19 @@ class VllmTpuNative(Adapter):
             raise ValueError(
                 f"spec.cpu.size {spec.cpu.size if spec.cpu else 0} holds no TPU chunk (one "
                 f"chunk = tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
-        if spec.tpu is not None and spec.tpu.staging_size is not None and \
+        if spec.tpu is not None and spec.tpu.hbm_staging is not None and \
                 sizing.tpu_staging_blocks(spec) < 1:
             raise ValueError(
-                f"spec.tpu.stagingSize {spec.tpu.staging_size} holds no block (one block = "
+                f"spec.tpu.hbmStagingSize {spec.tpu.hbm_staging} holds no block (one block = "
                 f"tpu.pageSize x kvBytesPerToken = {format_bytes(chunk)}); raise it")
+
+    def fingerprint(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        tpu = tpc.spec.tpu
+        assert tpu is not None  # validation requires the block
+        # The shape config hashes have carried (the field's name before 0.2), whichever
+        # name the spec uses: running pods keep their hash.
+        return super().fingerprint(tpc) | {"tpu": {
+            "page_size": tpu.page_size, "hosts": tpu.hosts, "staging_size": tpu.hbm_staging}}
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         # No kv_connector_extra_config: the connector reads env only.
@@ -77,7 +86,7 @@ class VllmTpuNative(Adapter):
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
-        return sizing.pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
+        return pinned_process_sizing(sizing.tpu_host_bytes(spec), existing_shm_bytes)
 
     def group_conflict(self, spec: TieredPrefixCacheSpec, pod: dict[str, Any],
                        workload: dict[str, Any] | None = None) -> str | None:

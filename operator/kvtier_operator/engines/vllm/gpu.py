@@ -1,23 +1,23 @@
 """vLLM on NVIDIA GPUs: its own OffloadingConnector (CPU tier, kvtier or vLLM file tier,
-or kvtier's GPU-direct spec) and LMCache."""
+or, without a CPU tier, kvtier's own offloading spec straight to files) and LMCache."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvtier_operator.engines.base import Adapter, PodRole
-from kvtier_operator.engines.vllm_launch import MAX_COMMAND_CHARS, VLLM, command_line
-from kvtier_operator.models import (
+from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
-    GPU_DIRECT_NEEDS_STORAGE,
     Connector,
     Engine,
     StorageBackend,
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.engines.sizing import PodSizing
+from kvtier_operator.engines.vllm import sizing
+from kvtier_operator.engines.vllm.launch import VLLM
 
 # The kvtier storage tier, loaded by vLLM's TieringOffloadingSpec from the injected
 # package (sidecar/kvtier_offload/vllm_tier.py defines it).
@@ -31,24 +31,29 @@ KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
 KVTIER_CONNECTOR = "KvtierOffloadingConnector"
 KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
 LMCACHE_DISK_DIR = "lmcache"
+NO_CPU_TIER_NEEDS_STORAGE = (
+    "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
+    "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
 
 
 class VllmNative(Adapter):
     engine = Engine.vllm
     connector = Connector.native
     title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, shared file tier "
-             "by kvtier's backend or vLLM's fs tier; without a CPU tier kvtier's GPU-direct "
-             "spec")
+             "by kvtier's backend or vLLM's fs tier; without a CPU tier kvtier's own spec "
+             "moves blocks between GPU and files")
     launcher = VLLM
     takes_storage: ClassVar[bool] = True
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = (
         StorageBackend.kvtier, StorageBackend.vllm_fs)
+    no_cpu_tier: ClassVar[NoCpuTier | None] = NoCpuTier(StorageBackend.kvtier,
+                                                        NO_CPU_TIER_NEEDS_STORAGE)
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         s = spec.storage
         if spec.cpu is None:
             if s is None or self.storage_backend(spec) != StorageBackend.kvtier:
-                raise ValueError(GPU_DIRECT_NEEDS_STORAGE)
+                raise ValueError(NO_CPU_TIER_NEEDS_STORAGE)
             if s.block_size is not None:
                 raise ValueError(BLOCK_SIZE_WITH_CPU_TIER)
         if s is not None and s.max_size_per_replica is not None:
@@ -59,8 +64,8 @@ class VllmNative(Adapter):
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         spec = tpc.spec
-        if spec.gpu_direct:
-            return _gpu_direct_config(tpc)
+        if spec.no_cpu_tier:
+            return _no_cpu_tier_config(tpc)
         storage = spec.storage
         backend = self.storage_backend(spec)
         extra: dict[str, Any] = {"cpu_bytes_to_use": spec.cpu_bytes}
@@ -90,7 +95,7 @@ class VllmNative(Adapter):
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         workers = 1
-        if spec.gpu_direct and len(command_line(container)) <= MAX_COMMAND_CHARS:
+        if spec.no_cpu_tier and len(command_line(container)) <= MAX_COMMAND_CHARS:
             # Without a CPU tier each worker process pins its own staging (a command line
             # too long to read is a conflict anyway).
             workers = sizing.worker_processes(container)
@@ -105,10 +110,10 @@ class VllmNative(Adapter):
 
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         # Without a CPU tier the files are every replica's: they do not steer routing.
-        return None if spec.gpu_direct else super().router_cpu_blocks(spec)
+        return None if spec.no_cpu_tier else super().router_cpu_blocks(spec)
 
 
-def _gpu_direct_config(tpc: TieredPrefixCache) -> dict[str, Any]:
+def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
     """No CPU tier: kvtier's connector and spec; a load that fails is recomputed."""
     spec = tpc.spec
     storage = spec.storage
@@ -139,7 +144,7 @@ class VllmLmcache(Adapter):
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         if spec.cpu is None:
-            raise ValueError(GPU_DIRECT_NEEDS_STORAGE)
+            raise ValueError(NO_CPU_TIER_NEEDS_STORAGE)
         s = spec.storage
         if s is None:
             return

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter, ExtraVolume, PodRole, Prerequisite
-from kvtier_operator.engines.vllm_launch import VLLM
-from kvtier_operator.models import Connector, Engine, TieredPrefixCache, TieredPrefixCacheSpec
-from kvtier_operator.render import sizing
-from kvtier_operator.render.sizing import PodSizing
+from kvtier_operator.engines.sizing import PodSizing, pinned_process_sizing
+from kvtier_operator.engines.vllm.launch import VLLM
 
 MOONCAKE_CONNECTOR = "MooncakeStoreConnector"
 CONFIG_VOLUME = "kvtier-mooncake-config"
@@ -46,7 +45,7 @@ class VllmMooncakeStore(Adapter):
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         # cpu.size: the host memory this pod lends the store (global_segment_size in
         # Mooncake's embedded mode), allocated in the vLLM process.
-        return sizing.pinned_process_sizing(spec.cpu_bytes, existing_shm_bytes)
+        return pinned_process_sizing(spec.cpu_bytes, existing_shm_bytes)
 
     def prerequisites(self, tpc: TieredPrefixCache) -> list[Prerequisite]:
         mooncake = tpc.spec.mooncake

@@ -1,4 +1,5 @@
-"""Every sizing formula kvtier applies; docs/sizing.md explains each with examples.
+"""vLLM's sizing on GPUs (OffloadingConnector, LMCache, KVBM); docs/sizing.md explains
+each formula with examples.
 
 All inputs are bytes or counts from the spec (and, for /dev/shm, the pod's existing
 volume); nothing is guessed.
@@ -7,33 +8,26 @@ volume); nothing is guessed.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from kvtier_operator.models import Connector, StorageBackend, TieredPrefixCacheSpec
-from kvtier_operator.quantity import GIB, MIB, quantity_bytes, round_up
+from kvtier_operator.api.quantity import GIB, MIB, quantity_bytes, round_up
+from kvtier_operator.api.v1alpha1 import Connector, StorageBackend, TieredPrefixCacheSpec
+from kvtier_operator.engines.sizing import (
+    GB,
+    PROCESS_HEADROOM_BYTES,
+    SHM_BASE_BYTES,
+    PodSizing,
+)
 
-# /dev/shm beyond the CPU tier: NCCL buffers, torch multiprocessing and vLLM's IPC.
-SHM_BASE_BYTES = 2 * GIB
-# Process memory beyond the tier itself: block tables, page tables, Python objects.
-PROCESS_HEADROOM_BYTES = 1 * GIB
-GB = 10**9  # LMCache sizes are in decimal GB
 # Without a CPU tier: the pinned staging buffers of kvtier's offloading worker (its
 # max_staging_bytes), which hold the KV pages of the transfers in flight. Every vLLM
-# worker process (one per GPU) pins its own; spec.storage.stagingSize overrides it.
-GPU_DIRECT_STAGING_BYTES = 1 * GIB
+# worker process (one per GPU) pins its own; spec.storage.hostStagingSize overrides it.
+NO_CPU_TIER_STAGING_BYTES = 1 * GIB
 # vLLM flags whose product is the worker processes of one engine, where the container
 # does not say how many GPUs it has.
 PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
                   "--pipeline-parallel-size": "pp", "-pp": "pp",
                   "--data-parallel-size": "dp", "-dp": "dp"}
-
-
-@dataclass(frozen=True)
-class PodSizing:
-    shm_bytes: int | None  # sizeLimit of the memory-backed /dev/shm after injection (None:
-    # the engine keeps nothing there; the pod's /dev/shm is left as it is)
-    memory_increase_bytes: int  # added to the container's memory request (and limit, if set)
 
 
 def chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
@@ -42,10 +36,18 @@ def chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
     return block * spec.model.bytes_per_token
 
 
+def native_backend(spec: TieredPrefixCacheSpec) -> StorageBackend | None:
+    """The shared tier's effective backend under vLLM's OffloadingConnector (kvtier's
+    unless the spec says vllm-fs); None without a shared tier or another connector."""
+    if spec.storage is None or spec.connector != Connector.native:
+        return None
+    return StorageBackend(spec.storage.backend or StorageBackend.kvtier)
+
+
 def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Bounce buffers of the kvtier backend: one chunk per I/O thread. Without a CPU tier
     the worker's aligned staging rows are written and read in place: none."""
-    if spec.storage_backend != StorageBackend.kvtier or spec.gpu_direct:
+    if native_backend(spec) != StorageBackend.kvtier or spec.no_cpu_tier:
         return 0
     assert spec.storage is not None
     threads = spec.storage.read_threads + spec.storage.write_threads
@@ -55,9 +57,9 @@ def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
 def staging_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Pinned staging of one vLLM worker process without a CPU tier (max_staging_bytes)."""
     storage = spec.storage
-    if storage is None or storage.staging_size is None:
-        return GPU_DIRECT_STAGING_BYTES
-    return quantity_bytes(storage.staging_size)
+    if storage is None or storage.staging_bytes is None:
+        return NO_CPU_TIER_STAGING_BYTES
+    return storage.staging_bytes
 
 
 _WORD = re.compile(r"[^\s'\"]+")
@@ -93,7 +95,7 @@ def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
     worker processes in the container (worker_processes), each with its own staging."""
     cpu = spec.cpu_bytes
     before = existing_shm_bytes or 0
-    if spec.gpu_direct:
+    if spec.no_cpu_tier:
         # Nothing in /dev/shm: each worker's staging is pinned process memory.
         shm = before or SHM_BASE_BYTES
         staging = staging_bytes(spec) * max(1, workers)
@@ -107,59 +109,6 @@ def pod_sizing(spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
         shm = before or SHM_BASE_BYTES
         increase = cpu + (shm - before) + PROCESS_HEADROOM_BYTES
     return PodSizing(shm_bytes=shm, memory_increase_bytes=round_up(increase, MIB))
-
-
-def router_lru_capacity(spec: TieredPrefixCacheSpec, block_size: int | None = None) -> int:
-    """Router blocks the CPU tier of one replica holds (EPP lruCapacityPerServer), in
-    blocks of block_size tokens (default: spec.router.blockSize, else vLLM's 16)."""
-    block = block_size or spec.router.block_size or 16
-    return spec.cpu_bytes // (spec.model.bytes_per_token * block)
-
-
-def pinned_process_sizing(host_bytes: int, existing_shm_bytes: int | None) -> PodSizing:
-    """An engine that pins its CPU tier in process memory and keeps nothing in /dev/shm:
-    the memory request grows by the tier and the headroom; /dev/shm stays as it is."""
-    return PodSizing(shm_bytes=None,
-                     memory_increase_bytes=round_up(host_bytes + PROCESS_HEADROOM_BYTES, MIB))
-
-
-# ------------------------------------------------------------- vLLM on TPU
-# tpu-inference's TPUOffloadConnector: one CPU chunk is one vLLM block (page) of the TPU
-# KV cache, all layers; the CPU tier holds TPU_OFFLOAD_NUM_CPU_CHUNKS of them in pinned
-# host memory (each host of a multi-host replica its shard of every chunk); the staging
-# buffer (TPU_OFFLOAD_NUM_STAGING_BLOCKS blocks) is carved out of HBM.
-TPU_DEFAULT_STAGING_BLOCKS = 128  # tpu-inference's default
-
-
-def tpu_chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
-    assert spec.tpu is not None
-    return spec.tpu.page_size * spec.model.bytes_per_token
-
-
-def tpu_cpu_chunks(spec: TieredPrefixCacheSpec) -> int:
-    """TPU_OFFLOAD_NUM_CPU_CHUNKS: whole chunks that fit in cpu.size."""
-    return spec.cpu_bytes // tpu_chunk_bytes(spec)
-
-
-def tpu_staging_blocks(spec: TieredPrefixCacheSpec) -> int:
-    """TPU_OFFLOAD_NUM_STAGING_BLOCKS: whole blocks in tpu.stagingSize, else the default."""
-    assert spec.tpu is not None
-    if spec.tpu.staging_size is None:
-        return TPU_DEFAULT_STAGING_BLOCKS
-    return quantity_bytes(spec.tpu.staging_size) // tpu_chunk_bytes(spec)
-
-
-def tpu_host_bytes(spec: TieredPrefixCacheSpec) -> int:
-    """Pinned host memory of one TPU host (pod): its shard of every chunk."""
-    assert spec.tpu is not None
-    total = tpu_cpu_chunks(spec) * tpu_chunk_bytes(spec)
-    return -(-total // spec.tpu.hosts)
-
-
-def tpu_router_blocks(spec: TieredPrefixCacheSpec, router_block: int) -> int:
-    """The CPU tier in the router's blocks: chunks x page tokens / router block tokens."""
-    assert spec.tpu is not None
-    return tpu_cpu_chunks(spec) * spec.tpu.page_size // router_block
 
 
 # ------------------------------------------------------------------- KVBM

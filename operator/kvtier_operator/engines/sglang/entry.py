@@ -3,7 +3,7 @@ mentions one (sglang 0.5.23).
 
 The two spellings are `sglang serve [model] [options]` (the `sglang` console script,
 sglang/cli/main.py) and `python[3] -m sglang.launch_server [options]`. Like
-vllm_entry.py: `entry_point_end` recognises the exact words kvtier edits after;
+engines/vllm/entry.py: `entry_point_end` recognises the exact words kvtier edits after;
 `mention_offsets` finds every place a text looks like it names one, however quoted, so a
 mention kvtier cannot vouch for is noticed. Both are linear in the text.
 """
@@ -13,12 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from kvtier_operator.render.shell import EntryPoint
-from kvtier_operator.render.vllm_entry import PYTHON_FLAGS, program
+from kvtier_operator.engines.cmdline.argv import PYTHON, PYTHON_FLAGS, program
+from kvtier_operator.engines.cmdline.shell import EntryPoint
 
 LAUNCH_MODULE = "sglang.launch_server"
 PROGRAM = "sglang"
-_PYTHON = re.compile(r"python(?:3(?:\.[0-9]+)?)?")
 # "sglang.launch_server" as a whole module name, or "sglang" followed (over blanks,
 # quotes and backslashes) by the word "serve". A literal head, so the search skips to
 # each "sglang" in C; the blank run cannot contain an "s", so it is read once.
@@ -37,7 +36,7 @@ def entry_point_end(words: Sequence[str], at: int) -> int | None:
     name = program(words[at])
     if name == PROGRAM:
         return at + 1 if at + 1 < len(words) and words[at + 1] == "serve" else None
-    if not _PYTHON.fullmatch(name):
+    if not PYTHON.fullmatch(name):
         return None
     k = at + 1
     while k < len(words) and words[k] in PYTHON_FLAGS:

@@ -1,4 +1,5 @@
-"""Operator-level settings the renderers need (images), passed in rather than read."""
+"""Operator-level settings the pod plan and the renderers need (images), passed in rather
+than read."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from dataclasses import dataclass
 
 from kvtier_operator import __version__
 
-DEFAULT_SIDECAR_IMAGE = f"ghcr.io/kvtier/kvtier-offload:{__version__}"
+DEFAULT_OFFLOAD_IMAGE = f"ghcr.io/kvtier/kvtier-offload:{__version__}"
 DEFAULT_OPERATOR_IMAGE = f"ghcr.io/kvtier/kvtier-operator:{__version__}"
 
 
 @dataclass(frozen=True)
 class RenderContext:
-    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    offload_image: str = DEFAULT_OFFLOAD_IMAGE  # the offload backend's init container
     evictor_image: str = DEFAULT_OPERATOR_IMAGE
     image_pull_policy: str = "IfNotPresent"

@@ -25,9 +25,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier_operator.render import kube_expansion, shell
-from kvtier_operator.render.sglang_entry import SGLANG, entry_point_end
-from kvtier_operator.render.vllm_entry import program_start
+from kvtier_operator.engines.cmdline import kube_expansion, shell
+from kvtier_operator.engines.cmdline.argv import program_start
+from kvtier_operator.engines.sglang.entry import SGLANG, entry_point_end
 
 FIX = ("run SGLang in exec form (command: [python3, -m, sglang.launch_server], args: "
        "[--flag=value, ...]), or start a line of the script with `exec sglang serve`")

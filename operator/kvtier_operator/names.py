@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from kvtier_operator.models import TieredPrefixCache
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 
 PREFIX = "kvtier.dev"
 ANNOTATION_CACHE = f"{PREFIX}/cache"
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
 ANNOTATION_RESTARTED_AT = f"{PREFIX}/restartedAt"
-# The field paths kvtier last applied to an object it owns (see applied.py).
+# The field paths kvtier before server-side apply recorded on the objects it owns; the
+# gateway hands them over to server-side apply once, which then removes it (gateway.py).
 ANNOTATION_APPLIED_FIELDS = f"{PREFIX}/applied-fields"
 LABEL_CACHE = f"{PREFIX}/cache"
 LABEL_OPT_OUT = f"{PREFIX}/inject"  # "false" on a pod skips injection

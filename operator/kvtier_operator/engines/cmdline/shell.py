@@ -3,8 +3,8 @@
 kvtier edits a shell script in one place only: at the end of the one top-level command
 that starts the model server (after its last word: vLLM 0.32 wants the model as the first
 word after `serve` when --served-model-name is given), where it adds constant or validated
-text (never a raw value from a CR). Which server that is, is an `EntryPoint` (vLLM's by
-default; SGLang's in render/sglang_entry.py). This module finds
+text (never a raw value from a CR). Which server that is, is the engine's `EntryPoint`
+(engines/vllm/entry.py, engines/sglang/entry.py). This module finds
 that place, and refuses, with the reason, whenever it cannot be certain how the shell
 will read the script up to there: a script it cannot fully parse (heredocs, backticks,
 subshells, `case`, arithmetic, an unterminated quote), no entry point at the start of a
@@ -22,8 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier_operator.render import vllm_entry
-from kvtier_operator.render.vllm_entry import program
+from kvtier_operator.engines.cmdline.argv import program
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,6 @@ class EntryPoint:
     # `python -m` module words of the entry point (a mention points at them).
     modules: frozenset[str]
 
-
-VLLM = EntryPoint(label="vLLM", needle="vllm", end=vllm_entry.entry_point_end,
-                  mentions=vllm_entry.mention_offsets,
-                  modules=frozenset({vllm_entry.SERVER_MODULE, vllm_entry.CLI_MODULE}))
 
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 # Longer scripts are not read at all (a conflict): real launch scripts are far shorter,
@@ -342,7 +337,7 @@ class _Scanner:
         return i + 1  # a lone '$' is an ordinary character
 
 
-def find_entry_point(script: str, entry: EntryPoint = VLLM) -> EntryPointSearch:
+def find_entry_point(script: str, entry: EntryPoint) -> EntryPointSearch:
     """Where options for the server may be added to script: after the last word of the
     one top-level command that starts with its entry point, when the whole script is
     understood and mentions no other entry point outside comments."""

@@ -16,16 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_operator.models import SglangIoBackend, SglangWritePolicy
-from kvtier_operator.render.sglang_flags import (
+from kvtier_operator.api.v1alpha1 import SglangIoBackend, SglangWritePolicy
+from kvtier_operator.engines.sglang.flags import (
     CONFIG_FILE,
     Flag,
     Forbidden,
     existing_flags,
 )
+from kvtier_operator.engines.sizing import GB
 
 DEFAULT_PAGE_SIZE = 64  # llm-d's SGLang guides and the router scorer's default block size
-GB = 10**9  # --hicache-size is in decimal gigabytes (host_size * 1e9 in sglang)
+# --hicache-size is in decimal gigabytes (host_size * 1e9 in sglang): GB below.
 # SGLang checks each rank's pool against the container's cgroup headroom (limit minus
 # usage) less this reserve, even with an explicit --hicache-size
 # (mem_cache/pool_host/base.py HICACHE_HOST_MEMORY_RESERVE_BYTES): the memory kvtier

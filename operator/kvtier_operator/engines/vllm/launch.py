@@ -10,8 +10,16 @@ import json
 import re
 from typing import Any, ClassVar
 
+from kvtier_operator import names
 from kvtier_operator.engines.base import Launcher
-from kvtier_operator.render import kube_expansion, names, shell, vllm_entry
+from kvtier_operator.engines.cmdline import kube_expansion, shell
+from kvtier_operator.engines.cmdline.argv import (
+    MAX_COMMAND_CHARS,
+    command_line,
+    program_start,
+    words,
+)
+from kvtier_operator.engines.vllm import entry as vllm_entry
 
 # Flags that mean the user already configured KV offloading by hand.
 OWN_OFFLOAD_FLAGS = (
@@ -31,26 +39,15 @@ KV_TRANSFER_FLAG = "--kv-transfer-config"
 # stays in the env var, which the shell expands inside double quotes as one word and
 # never reads as shell text, whatever the CR says.
 SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
-# Container command lines longer than this are not read (this runs in the webhook; the
-# mention search takes up to ~25 ms per MiB; a `sh -c` script is capped lower still).
-MAX_COMMAND_CHARS = 256 * 1024
 _FIX = ("run vLLM in exec form (command: [vllm, serve, ...]), or start a line of the "
         "script with `exec vllm serve`")
-
-
-def words(container: dict[str, Any]) -> list[str]:
-    return [str(p) for p in (container.get("command") or []) + (container.get("args") or [])]
-
-
-def command_line(container: dict[str, Any]) -> str:
-    return " ".join(words(container))
 
 
 def runs_vllm(container: dict[str, Any]) -> bool:
     """Whether the container's command line starts vLLM's server or mentions its entry
     point anywhere (injection then decides whether it can edit it with certainty)."""
     w = words(container)
-    if vllm_entry.entry_point_end(w, vllm_entry.program_start(w)) is not None:
+    if vllm_entry.entry_point_end(w, program_start(w)) is not None:
         return True
     return vllm_entry.mentions_entry_point(command_line(container))
 
@@ -75,13 +72,13 @@ def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     if names.ENV_KV_TRANSFER_CONFIG in line:
         return (f"the command line of container {name!r} mentions "
                 f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
-    start = vllm_entry.program_start(all_words)
+    start = program_start(all_words)
     script_at = shell.script_index(all_words, start)
     if isinstance(script_at, str):
         return f"container {name!r}: {script_at}; {_FIX}"
     if script_at is not None:
         script = all_words[script_at]
-        found = shell.find_entry_point(script)
+        found = shell.find_entry_point(script, vllm_entry.ENTRY_POINT)
         if found.insert_at is None:
             return (f"container {name!r} runs a shell script kvtier will not edit: "
                     f"{found.problem}; {_FIX}")
@@ -114,6 +111,8 @@ class VllmLauncher(Launcher):
     """`vllm serve` / `python -m vllm.entrypoints...`, in exec form or a `sh -c` script;
     options: the --kv-transfer-config dict."""
 
+    label: ClassVar[str] = "vLLM"
+    script_option: ClassVar[str] = SCRIPT_OPTION
     command_words: ClassVar[str] = "'vllm serve' or vLLM's OpenAI server module"
 
     def runs_server(self, container: dict[str, Any]) -> bool:

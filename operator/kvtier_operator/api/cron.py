@@ -18,7 +18,7 @@ server, the webhook and `kvtier render` give the same answer.
 
 from __future__ import annotations
 
-from kvtier_operator.rules import Rule
+from kvtier_operator.api.rules import Rule
 
 DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 MAX_LENGTH = 128

@@ -1,0 +1,160 @@
+"""TieredPrefixCacheSpec: the tiers, the engine and the policies of one cache, with the
+rules that hold whatever the engine. Rules that need an engine's knowledge (which
+connectors, tiers and settings it takes) are validation/'s, which adds them to the CRD."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from kvtier_operator.api.v1alpha1.eviction import CapacitySource, Eviction
+from kvtier_operator.api.v1alpha1.fields import ENUM_BOUND, ApiModel, ContainerName
+from kvtier_operator.api.v1alpha1.geometry import ModelGeometry
+from kvtier_operator.api.v1alpha1.router import Router
+from kvtier_operator.api.v1alpha1.selector import LabelSelector
+from kvtier_operator.api.v1alpha1.settings import (
+    Connector,
+    Engine,
+    MooncakeSettings,
+    SglangSettings,
+    TpuSettings,
+)
+from kvtier_operator.api.v1alpha1.tiers import CpuTier, StorageTier
+
+STAGING_WITH_CPU_TIER = (
+    "spec.storage.hostStagingSize applies without a CPU tier only (kvtier's own staging "
+    "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove hostStagingSize "
+    "(or its deprecated name stagingSize)")
+BLOCK_SIZE_WITH_CPU_TIER = (
+    "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
+    "one GPU block; remove blockSize")
+
+
+class RolloutPolicy(StrEnum):
+    Auto = "Auto"
+    Manual = "Manual"
+
+
+# Rules that hold whatever the engine; validation/ adds the engines' own when it builds
+# the CRD (crd.openapi_schema).
+SPEC_RULES: list[dict[str, str]] = [
+    {
+        "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
+        "message": BLOCK_SIZE_WITH_CPU_TIER,
+    },
+    {
+        "rule": "!has(self.cpu) || !has(self.storage) || "
+        "(!has(self.storage.hostStagingSize) && !has(self.storage.stagingSize))",
+        "message": STAGING_WITH_CPU_TIER,
+    },
+]
+
+
+def _spec_schema(schema: dict[str, Any]) -> None:
+    schema["x-kubernetes-validations"] = [dict(r) for r in SPEC_RULES]
+
+
+class TieredPrefixCacheSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_spec_schema)
+
+    selector: LabelSelector = Field(
+        description="Selects the model-server pods in this namespace to give the cache to."
+    )
+    engine: Engine = Field(
+        default=Engine.vllm,
+        json_schema_extra=ENUM_BOUND,
+        description="The model server in the selected pods: vllm (vLLM on NVIDIA GPUs), "
+        "vllm-tpu (vLLM on Google TPUs with tpu-inference) or sglang (SGLang with HiCache "
+        "on NVIDIA GPUs). It decides which connectors "
+        "and tiers are possible (docs/architecture.md lists them).",
+    )
+    container_name: ContainerName | None = Field(
+        default=None,
+        description="Container running the engine; default: the one whose command starts "
+        "it (vllm serve), or on multi-host TPU workers the Ray worker container. On a "
+        "multi-host worker pod without a container of this name (leader and worker "
+        "containers named differently), the one container whose command runs a worker is "
+        "injected.",
+    )
+    model: ModelGeometry = Field(description="The served model and its KV geometry.")
+    connector: Connector = Field(
+        default=Connector.native,
+        json_schema_extra=ENUM_BOUND,
+        description="native (the engine's own offloading: vLLM OffloadingConnector on GPU, "
+        "TPUOffloadConnector on TPU), lmcache (LMCacheConnectorV1), mooncake-store (vLLM "
+        "MooncakeStoreConnector) or kvbm (NVIDIA Dynamo KVBM's DynamoConnector).",
+    )
+    cpu: CpuTier | None = Field(
+        default=None,
+        description="The CPU RAM tier of each replica. Leave it out to offload straight "
+        "from GPU memory to the shared volume (connector native, storage backend kvtier: "
+        "kvtier's own vLLM offloading spec).",
+    )
+    storage: StorageTier | None = Field(
+        default=None, description="Optional shared-filesystem tier behind the CPU tier."
+    )
+    tpu: TpuSettings | None = Field(
+        default=None, description="Engine vllm-tpu only (and required there): TPU page size, "
+        "hosts per replica and HBM staging.")
+    mooncake: MooncakeSettings | None = Field(
+        default=None, description="Connector mooncake-store only (and required there): "
+        "where Mooncake's client config is and which master it needs.")
+    sglang: SglangSettings | None = Field(
+        default=None, description="Engine sglang only (and required there; `sglang: {}` "
+        "takes the defaults): HiCache page size, write policy and I/O backend.")
+    eviction: Eviction = Field(
+        default_factory=Eviction,
+        description="The evictor CronJob that keeps the shared volume under its watermarks.",
+    )
+    router: Router = Field(default_factory=Router, description="llm-d router config rendering.")
+    rollout: RolloutPolicy = Field(
+        default=RolloutPolicy.Manual,
+        description="Pods already running without the current config: Auto restarts their "
+        "workload one at a time; Manual only reports them as pending.",
+    )
+    hash_seed: int | None = Field(
+        default=None,
+        ge=0,
+        le=4294967295,
+        description="PYTHONHASHSEED for every selected pod; default derived from the "
+        "namespace and name. Give two caches the same seed to share files.",
+    )
+
+    @model_validator(mode="after")
+    def _staging_without_cpu_tier(self) -> TieredPrefixCacheSpec:
+        if self.cpu is not None and self.storage is not None and (
+                self.storage.host_staging is not None):
+            raise ValueError(STAGING_WITH_CPU_TIER)
+        return self
+
+    @model_validator(mode="after")
+    def _claim_size_needs_pvc(self) -> TieredPrefixCacheSpec:
+        s = self.storage
+        if s is None:
+            return self
+        if self.eviction.capacity == CapacitySource.ClaimSize and s.pvc is None:
+            raise ValueError(
+                "eviction.capacity ClaimSize measures usage against storage.pvc.size, but "
+                "existingClaim has no size kvtier knows; use capacity Filesystem or pvc"
+            )
+        return self
+
+    def deprecated_fields(self) -> list[tuple[str, str]]:
+        """(field given under a deprecated name, its name now), read as before."""
+        found = []
+        if self.storage is not None and self.storage.staging_size is not None:
+            found.append(("spec.storage.stagingSize", "hostStagingSize"))
+        if self.tpu is not None and self.tpu.staging_size is not None:
+            found.append(("spec.tpu.stagingSize", "hbmStagingSize"))
+        return found
+
+    @property
+    def no_cpu_tier(self) -> bool:
+        """No CPU tier: kvtier's own offloading spec moves GPU blocks to and from files."""
+        return self.cpu is None
+
+    @property
+    def cpu_bytes(self) -> int:
+        return self.cpu.bytes if self.cpu is not None else 0

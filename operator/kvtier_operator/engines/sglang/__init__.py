@@ -1,0 +1,2 @@
+"""SGLang with HiCache: its command line (entry, flags), the HiCache flags and env, and
+the adapter."""

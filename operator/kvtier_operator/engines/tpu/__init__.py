@@ -1,0 +1,1 @@
+"""vLLM on Google TPUs (tpu-inference): the adapter and its sizing."""

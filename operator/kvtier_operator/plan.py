@@ -1,0 +1,92 @@
+"""The pod plan: everything injection puts into a selected pod for one cache, computed
+once from the spec and the operator's context, and its hash.
+
+`pod_plan(tpc, ctx)` asks the spec's adapter once (launch options, env by role, extra
+volumes, the offload package) and fixes the result in a frozen `PodPlan`. Injection
+(render/pod.py) and the reconcile's pending-pod count only read it; the container-
+dependent pieces (/dev/shm and memory sizing, which depend on the container's GPUs) are
+the adapter's per container. `PodPlan.hash()` is the config hash a pod carries: a pod with
+another one is pending a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kvtier_operator import names
+from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.base import Adapter, ExtraVolume, PodRole
+from kvtier_operator.engines.registry import adapter_for
+
+FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """What injection writes for one cache (read-only; build it with pod_plan)."""
+
+    tpc: TieredPrefixCache
+    adapter: Adapter
+    launch_options: Any  # what the engine's launcher passes (vLLM: the kv-transfer dict)
+    server_env: Mapping[str, str]  # by name, as the process sees them (unescaped)
+    worker_env: Mapping[str, str]  # a multi-host worker's (no server, no options)
+    claim: str | None  # the shared tier's PVC
+    mount_path: str | None  # where it is mounted
+    extra_volumes: tuple[ExtraVolume, ...]
+    offload_image: str | None  # the init container's image; None: no offload package
+    image_pull_policy: str
+    container_name: str | None  # spec.containerName
+    config_hash: str
+
+    def env(self, role: PodRole) -> dict[str, str]:
+        return dict(self.server_env if role == PodRole.server else self.worker_env)
+
+    def hash(self) -> str:
+        return self.config_hash
+
+
+def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
+            server_env: Mapping[str, str], claim: str | None, mount_path: str | None,
+            extra_volumes: tuple[ExtraVolume, ...], offload_image: str | None) -> str:
+    # The keys and values pods have carried since FORMAT_VERSION 2: a plan that writes
+    # the same keeps the same hash, so running pods are not reported pending.
+    doc: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kvTransferConfig": launch_options,
+        "env": dict(server_env),
+        "cpu": tpc.spec.cpu_bytes,
+        "claim": claim,
+        "mountPath": mount_path,
+        "sidecarImage": offload_image,  # the key's name before 0.2: kept, so is the hash
+        "containerName": tpc.spec.container_name,
+        **adapter.fingerprint(tpc),
+    }
+    if extra_volumes:
+        doc["volumes"] = [[v.volume, v.mount_path, v.read_only] for v in extra_volumes]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
+    """The plan of a validated cache (validation.parse_tpc has checked its adapter)."""
+    spec = tpc.spec
+    adapter = adapter_for(spec)
+    launch_options = adapter.launch_options(tpc)
+    server_env = adapter.env(tpc, PodRole.server) | adapter.launcher.options_env(launch_options)
+    worker_env = adapter.env(tpc, PodRole.worker)
+    claim = names.claim_name(tpc)
+    mount_path = spec.storage.mount_path if spec.storage else None
+    extra = tuple(adapter.extra_volumes(tpc))
+    image = ctx.offload_image if adapter.needs_offload_package(spec) else None
+    return PodPlan(
+        tpc=tpc, adapter=adapter, launch_options=launch_options,
+        server_env=MappingProxyType(server_env), worker_env=MappingProxyType(worker_env),
+        claim=claim, mount_path=mount_path, extra_volumes=extra, offload_image=image,
+        image_pull_policy=ctx.image_pull_policy, container_name=spec.container_name,
+        config_hash=_digest(tpc, adapter, launch_options, server_env, claim, mount_path,
+                            extra, image))
