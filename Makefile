@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test lint crds docs bench images clean glusterfs-packages engine-sources sanitize
+.PHONY: demo test check lint crds docs bench images clean glusterfs-packages engine-sources sanitize
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,16 @@ test: $(STAMP_DEV) $(HELM) glusterfs-packages
 	$(BIN)/mypy
 	@$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+# The inner loop: ruff, mypy and the fast tests (-m "not slow": nothing that starts vLLM,
+# SGLang, GlusterFS, helm or kopf, compiles, runs subprocesses or takes over a second;
+# tests/conftest.py says which), under a minute on 2 cores. `make test` runs everything.
+check: $(STAMP_DEV)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	@$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make check: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 
 # The offload backend's C extension under ASan + UBSan (build/sanitize), with the tests

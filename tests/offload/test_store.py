@@ -136,6 +136,7 @@ def _writer(root: str, seed: int, n: int, barrier) -> int:
     return sum(outcome.ok)
 
 
+@pytest.mark.slow
 def test_many_processes_writing_the_same_keys(tmp_path):
     n, procs = 40, 4
     ctx = multiprocessing.get_context("fork")
@@ -701,6 +702,7 @@ def test_observe_all_counts_like_observe_one_by_one():
 
 
 @pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+@pytest.mark.slow
 def test_the_latency_histogram_gets_each_blocks_own_time(tmp_path, batch_io):
     from kvtier_offload.metrics import Metrics, Recorder
 

@@ -214,6 +214,7 @@ async def test_garbage_gets_400(webhook, body):
         assert "error" in answer
 
 
+@pytest.mark.slow
 async def test_oversized_body_gets_413(webhook):
     status, _ = await webhook.post(MUTATE_PATH, data=b"{" + b" " * (4 * 1024 * 1024) + b"}")
     assert status == 413
