@@ -204,7 +204,7 @@ class BlockStore:
                                          config.free_space_floor_percent)
         self._logged: set[str] = set()
         self._closed = False
-        self._pool = pool or _sized_pool(config, memory_speed)
+        self._pool = pool if pool is not None else _sized_pool(config, memory_speed)
         # Through self at each call: tests/offload/test_vllm_worker.py replaces _stat_key
         # on the instance (a hung volume); it moves to a seam with the vLLM adapters' tests.
         self._background = BackgroundLookup(
