@@ -29,6 +29,48 @@ def needs_glusterfs(item: pytest.Item) -> bool:
             or "gluster" in getattr(item, "fixturenames", ()))
 
 
+# Cost. `slow`: starts vLLM or SGLang (or imports them), GlusterFS, helm, a kopf operator
+# against the in-process API server, compiles or runs subprocesses, or takes over a second.
+# `make check` runs the rest (`-m "not slow"`, under a minute on 2 cores); `make test` all.
+# By folder here, by module below where a fast folder holds a slow module, and by
+# @pytest.mark.slow on single tests in fast modules. Every folder is one or the other, so
+# a new or moved folder must be classified here (a test run says so).
+FAST_DIRS = ("tests/unit/", "tests/webhook/", "tests/offload/", "tests/evictor/")
+SLOW_DIRS = ("tests/integration/", "tests/chart/", "tests/e2e/", "tests/netfs/",
+             "tests/vllm/", "tests/gpu/")
+SLOW_MODULES = (
+    "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
+    "tests/offload/test_vllm_tier.py",
+    "tests/offload/test_vllm_recompute.py",
+    "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
+    "tests/offload/test_syscalls.py",  # strace in a child per test
+    "tests/offload/test_cli.py",  # the init container's install, in subprocesses
+    "tests/unit/test_cli.py",  # the kvtier CLI, in subprocesses
+    "tests/unit/test_sglang_parser.py",  # imports SGLang (about 10 s)
+)
+SLOW_PATHS = SLOW_DIRS + SLOW_MODULES
+
+
+def is_slow_path(nodeid: str) -> bool:
+    return nodeid.startswith(SLOW_PATHS)
+
+
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """Under exactly `-m "not slow"` (make check) a slow folder or module is not even
+    imported: every test in it would be deselected, and importing vLLM or SGLang alone
+    costs seconds per worker."""
+    if config.getoption("markexpr", "").strip() != "not slow":
+        return None
+    try:
+        relative = collection_path.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return None
+    if collection_path.is_dir():
+        relative += "/"
+    return True if is_slow_path(relative) else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     strays = [item.nodeid for item in items
               if needs_glusterfs(item) and not item.nodeid.startswith(GLUSTERFS_DIR)]
@@ -36,6 +78,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError(
             f"tests that use the GlusterFS volume must live in {GLUSTERFS_DIR} (parallel "
             f"runs keep that directory on one worker): {', '.join(strays)}")
+    unclassified = sorted({item.nodeid.split("::")[0] for item in items
+                           if not item.nodeid.startswith(FAST_DIRS + SLOW_DIRS)})
+    if unclassified:
+        raise pytest.UsageError(
+            "tests/conftest.py classifies every test folder as fast or slow (FAST_DIRS, "
+            f"SLOW_DIRS); these are in neither: {', '.join(unclassified)}")
+    for item in items:
+        if is_slow_path(item.nodeid):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed

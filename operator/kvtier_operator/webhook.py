@@ -19,6 +19,7 @@ that goes away, or is closed for being slow, is logged once, at INFO, without a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import ssl
@@ -69,10 +70,16 @@ def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
 
 async def watch_certificates(ctx: ssl.SSLContext, certfile: str, keyfile: str,
                              interval: float = 10.0) -> None:
-    """Reload a rotated certificate into the live context: new handshakes use it."""
+    """Reload a rotated certificate into the live context: new handshakes use it.
+    Rotation is told by the files' content (a digest, as kopf does), not their mtimes:
+    a copy that keeps mtimes still rotates, a touch alone does not reload."""
 
-    def stamp() -> tuple[float, float]:
-        return os.stat(certfile).st_mtime, os.stat(keyfile).st_mtime
+    def stamp() -> bytes:
+        digest = hashlib.sha256()
+        for path in (certfile, keyfile):
+            with open(path, "rb") as file:
+                digest.update(hashlib.sha256(file.read()).digest())
+        return digest.digest()
 
     last = stamp()
     while True:

@@ -26,6 +26,7 @@ class IOPool:
         self._cv = threading.Condition()
         self._closed = False
         self._busy = {True: 0, False: 0}  # threads running a read (True) or write task
+        self.write_threads = max(write_threads, 0)  # take stores first; the rest loads
         self._threads = [
             threading.Thread(target=self._work, args=(prefer_reads,), daemon=True,
                              name=f"{name}-{'r' if prefer_reads else 'w'}{i}")
@@ -48,6 +49,11 @@ class IOPool:
     @property
     def threads(self) -> int:
         return len(self._threads)
+
+    def busy(self) -> tuple[int, int]:
+        """How many threads run a read task and a write task right now."""
+        with self._cv:
+            return self._busy[True], self._busy[False]
 
     def spare(self, reads: bool) -> int:
         """How many more tasks of a new job could start at once right now (0 or more):

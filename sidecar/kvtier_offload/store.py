@@ -43,7 +43,7 @@ from kvtier_offload.admission import WriteAdmission
 from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
-from kvtier_offload.fileio import BlockFiles, advance
+from kvtier_offload.fileio import BlockFiles
 from kvtier_offload.iopool import IOPool
 from kvtier_offload.jobs import Job, JobOutcome, JobTable, Result, time_left
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
@@ -53,7 +53,7 @@ from kvtier_offload.probes import file_seconds, probe_o_direct
 
 __all__ = ["BATCH_BYTES", "MEMORY_SPEED_SECONDS", "PIECE", "WAIT_SECONDS", "BlockStore",
            "JobOutcome", "NoDigest", "StoreConfig", "hot_path", "probe_memory_speed",
-           "probe_o_direct"]
+           "probe_o_direct", "split_job"]
 
 log = logging.getLogger("kvtier_offload")
 
@@ -65,10 +65,6 @@ PIECE = 512 << 10  # larger blocks move in pieces of this on memory-speed volume
 WAIT_SECONDS = 120.0
 MEMORY_SPEED_SECONDS = 250e-6  # per 256 KiB file write or read: a RAM-backed volume
 
-# The parts' names older callers (tests) import from here.
-_Rows = RowArray
-_advance = advance
-
 
 def probe_memory_speed(directory: str, o_direct: bool) -> bool:
     """Whether whole 256 KiB files are created, written, read and removed here at memory
@@ -76,6 +72,30 @@ def probe_memory_speed(directory: str, o_direct: bool) -> bool:
     the volume cannot tell (read-only, full): every thread is kept."""
     seconds = file_seconds(directory, o_direct)
     return seconds is not None and seconds < MEMORY_SPEED_SECONDS
+
+
+def split_job(count: int, block: int, spare: int) -> list[range]:
+    """A job of count blocks of block bytes as batch tasks: as many as the spare I/O
+    threads (one at least), each at most BATCH_BYTES (one block at least). A lone job
+    spreads over every thread (its latency); under a backlog (no spare thread) it goes
+    whole, since more pieces would only queue, and every task costs interpreter time and
+    GIL hand-offs."""
+    ways = max(1, spare)
+    per_task = max(1, min(-(-count // ways), BATCH_BYTES // max(block, 1)))
+    return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
+
+
+def _sized_pool(config: StoreConfig, memory_speed: bool) -> IOPool:
+    """The I/O threads for config: at most io_threads, or one per core where files move
+    at memory speed (then every thread takes loads before stores)."""
+    limit = config.io_threads
+    if not limit and memory_speed:
+        limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    reads, writes = config.read_threads, config.write_threads
+    if limit and limit < reads + writes:
+        reads, writes = limit, 0
+    return IOPool(reads, writes)
 
 
 class NoDigest(RuntimeError):
@@ -139,7 +159,10 @@ class BlockStore:
     the C extension through batchio, the Python path for the rest). It owns what ties
     them together: which blocks go which way, and what each outcome counts and logs."""
 
-    def __init__(self, config: StoreConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: StoreConfig, metrics: Metrics | None = None, *,
+                 pool: IOPool | None = None) -> None:
+        """pool: the I/O threads to run on (the store closes it); by default a pool sized
+        from config and the volume (io_threads)."""
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
         self.metrics = metrics or Metrics()
@@ -183,15 +206,9 @@ class BlockStore:
                                          config.free_space_floor_percent)
         self._logged: set[str] = set()
         self._closed = False
-        limit = config.io_threads
-        if not limit and memory_speed:
-            limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-                os.cpu_count() or 1)
-        reads, writes = config.read_threads, config.write_threads
-        if limit and limit < reads + writes:
-            reads, writes = limit, 0  # every thread then takes loads before stores
-        self._pool = IOPool(reads, writes)
-        # Through self at each call: a test may replace _stat_key on the instance.
+        self._pool = pool if pool is not None else _sized_pool(config, memory_speed)
+        # Through self at each call: tests/offload/test_vllm_worker.py replaces _stat_key
+        # on the instance (a hung volume); it moves to a seam with the vLLM adapters' tests.
         self._background = BackgroundLookup(
             lambda key: self._stat_key(key), config.lookup_threads, config.lookup_queue_limit,
             min(config.lookup_pending_seconds, config.lookup_hit_ttl / 2))
@@ -208,32 +225,29 @@ class BlockStore:
         self._files.direct = value
 
     @property
-    def _piece(self) -> int:
-        return self._files.piece
-
-    @_piece.setter
-    def _piece(self, value: int) -> None:
-        self._files.piece = value
+    def files(self) -> BlockFiles:
+        """The block files' reader and writer (the Python path and the batch path)."""
+        return self._files
 
     @property
-    def _blocked_until(self) -> float:
-        return self._admission.blocked_until
-
-    @_blocked_until.setter
-    def _blocked_until(self, value: float) -> None:
-        self._admission.blocked_until = value
+    def admission(self) -> WriteAdmission:
+        """Which stores may be written: the queue budget, backoff, the free-space floor."""
+        return self._admission
 
     @property
-    def _unwritten(self) -> int:
-        return self._admission.unwritten_bytes
+    def pool(self) -> IOPool:
+        """The I/O threads the store's jobs run on."""
+        return self._pool
 
     @property
-    def _queued_write_bytes(self) -> int:
-        return self._admission.queued_bytes
+    def jobs(self) -> JobTable:
+        """Jobs submitted and the outcomes of finished ones not yet taken."""
+        return self._jobs
 
+    # Kept for tests/offload/test_vllm_worker.py (the vLLM adapters' tests, changed on
+    # another branch): use jobs.lock and jobs.outcomes instead.
     @property
     def _lock(self) -> threading.Lock:
-        """The job table's lock: held, a caller may edit _finished."""
         return self._jobs.lock
 
     @property
@@ -248,16 +262,9 @@ class BlockStore:
             log.warning(message + " (logged once; see kvtier_offload_* metrics)", *args)
 
     def _batches(self, count: int, block: int, reads: bool) -> list[range]:
-        """Split a job into batch tasks: enough for the I/O threads free for it right
-        now, each at most BATCH_BYTES (one block at least); one block per task on the
-        Python path. A lone job spreads over every thread (its latency); under a backlog
-        a job goes whole, since more pieces would only queue, and every task costs
-        interpreter time and GIL hand-offs."""
         if not self.batch_io:
-            return [range(i, i + 1) for i in range(count)]
-        ways = max(1, self._pool.spare(reads))
-        per_task = max(1, min(-(-count // ways), BATCH_BYTES // max(block, 1)))
-        return [range(i, min(i + per_task, count)) for i in range(0, count, per_task)]
+            return [range(i, i + 1) for i in range(count)]  # the Python path: one a task
+        return split_job(count, block, self._pool.spare(reads))
 
     def _refused(self, key: object, direction: str) -> bool:
         """Whether key is outside the layout (layout.key_fits): counted, logged once."""
@@ -508,7 +515,8 @@ class BlockStore:
             self._log_once("floor", "kvtier volume below its %.1f%% free-space floor; "
                            "not writing", self.cfg.free_space_floor_percent)
             return False
-        if self._lookups.get(key) or (look and self._files.regular_file_at(self.layout.path(key))):
+        if self._lookups.get(key) or (
+                look and self._files.regular_file_at(self.layout.path(key))):
             self.metrics.operations.labels("store", "exists").inc()
             return True  # another pod or node stored it first: same bytes
         return None
@@ -519,7 +527,7 @@ class BlockStore:
             self.metrics.dropped.labels("backoff").inc()
             return False
         try:
-            self._write_file(key, data, path)
+            self._files.write(key, data, path)
         except OSError as err:
             name = errno.errorcode.get(err.errno or 0, type(err).__name__)
             self.metrics.failed.labels(name).inc()
@@ -529,9 +537,6 @@ class BlockStore:
         took = time.monotonic() - start
         self._stored_all([key], [len(data)], took, [took])
         return True
-
-    def _write_file(self, key: bytes, data: memoryview, path: str) -> None:
-        self._files.write(key, data, path)
 
     def _stored_all(self, keys: list[bytes], sizes: list[int], seconds: float,
                     each: Sequence[float]) -> None:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,10 @@ def source_copy(dest: Path) -> Path:
     return dest
 
 
-def test_operator_image_install_steps_in_a_virtualenv(tmp_path):
-    """The build stage wheels the project; the evictor must then run with no dependencies
-    at all (it is stdlib only), as the CronJob runs it from the operator image."""
+@pytest.fixture(scope="module")
+def operator_wheel(tmp_path_factory) -> Path:
+    """The wheel the operator Dockerfile's build stage makes (pip wheel of the source)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     wheels = tmp_path / "wheels"
     src = source_copy(tmp_path / "src")
     # The dev environment has setuptools: building with it skips fetching a fresh one.
@@ -53,6 +55,34 @@ def test_operator_image_install_steps_in_a_virtualenv(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", *isolation,
                     "-w", str(wheels), str(src)], check=True, timeout=300)
     (wheel,) = wheels.glob("kvtier-*.whl")
+    return wheel
+
+
+def test_the_operator_wheel_holds_the_three_packages_and_not_the_demo(operator_wheel):
+    """The operator image installs this wheel and nothing else: no kvtier_demo (the demo
+    and test harness, which needs kmock), no C sources as a package."""
+    with zipfile.ZipFile(operator_wheel) as wheel:
+        names = wheel.namelist()
+    top = {name.split("/")[0] for name in names}
+    assert top == {"kvtier_operator", "kvtier_offload", "kvtier_evictor",
+                   "-".join(operator_wheel.name.split("-")[:2]) + ".dist-info"}, sorted(top)
+    assert not [name for name in names if "kvtier_demo" in name]
+    assert "kvtier_operator/cli.py" in names and "kvtier_operator/py.typed" in names
+
+
+def test_the_operator_image_installs_only_the_wheel():
+    """The image's last stage takes nothing from the source tree: only the wheels."""
+    stages = re.split(r"^FROM\s", (ROOT / "Dockerfile").read_text(), flags=re.M)
+    final = stages[-1]
+    assert re.findall(r"^(?:COPY|ADD)\s.*$", final, re.M) == ["COPY --from=build /wheels /wheels"]
+    assert "'kvtier[operator]'" in final and "--no-index" in final
+
+
+def test_operator_image_install_steps_in_a_virtualenv(tmp_path, operator_wheel):
+    """The build stage wheels the project; the evictor must then run with no dependencies
+    at all (it is stdlib only), as the CronJob runs it from the operator image; the demo
+    harness is not there to import."""
+    wheel = operator_wheel
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
@@ -65,6 +95,12 @@ def test_operator_image_install_steps_in_a_virtualenv(tmp_path):
     run = subprocess.run([str(evictor), "--root", str(tmp_path / "missing")],
                          capture_output=True, text=True, check=False)
     assert run.returncode == 1 and '"outcome":"error"' in run.stdout
+    python = venv / "bin" / "python"
+    for package, present in (("kvtier_evictor", True), ("kvtier_demo", False)):
+        found = subprocess.run([str(python), "-I", "-c",
+                                f"import importlib.util as u; print(u.find_spec({package!r}))"],
+                               capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+        assert (found.strip() != "None") is present, (package, found)
 
 
 def test_offload_image_entrypoint_installs_the_backend(tmp_path):

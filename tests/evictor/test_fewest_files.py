@@ -50,6 +50,7 @@ def fewest_needed(files: list[Path], blocks: dict[Path, int], need: int) -> int:
     raise AssertionError("the tree cannot reach the target")
 
 
+@pytest.mark.slow
 def test_deletes_no_more_files_than_needed_on_a_tree_of_small_files(tmp_path):
     with ext4(tmp_path / "vol", size_mib=64, inodes=32768) as vol:
         now = time.time()

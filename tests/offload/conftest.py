@@ -14,11 +14,11 @@ FP = "00112233aabbccdd"
 def make_store(tmp_path):
     stores: list[BlockStore] = []
 
-    def make(root=None, **kw) -> BlockStore:
+    def make(root=None, pool=None, **kw) -> BlockStore:
         kw.setdefault("read_threads", 2)
         kw.setdefault("write_threads", 2)
         kw.setdefault("fingerprint", FP)
-        store = BlockStore(StoreConfig(root=str(root or tmp_path), **kw))
+        store = BlockStore(StoreConfig(root=str(root or tmp_path), **kw), pool=pool)
         stores.append(store)
         return store
 

@@ -256,6 +256,7 @@ def test_bad_names_are_refused_before_any_io(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["env", "import"])
+@pytest.mark.slow
 def test_without_the_extension_the_python_path_runs_and_says_why(tmp_path, how):
     import subprocess
     import sys

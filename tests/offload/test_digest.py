@@ -134,6 +134,7 @@ print(*(digest.digest(bytes(range(256)) * n) for n in (0, 1, 100, 5000)))
     assert [int(x) for x in out.stdout.split()] == here
 
 
+@pytest.mark.slow
 def test_without_any_digest_the_store_refuses_to_start_and_says_why(tmp_path):
     # Neither the extension nor python-xxhash: no silent "every block is a miss". The store
     # raises NoDigest (vLLM fails at start), logs the reason, and its gauge says no-digest.

@@ -26,7 +26,7 @@ def test_full_volume(tmp_path, batch_io):
             first = run_store(store, 1, list(zip(ks, src)))
             stored = [k for k, ok in zip(ks, first.ok) if ok]
             assert 0 < len(stored) < 12  # the 8 MiB volume filled up part way
-            assert store._blocked_until > 0  # ENOSPC backs the writers off
+            assert store.admission.blocked_until > 0  # ENOSPC backs the writers off
             dest = rows(len(stored), BLOCK, seed=2)
             assert run_load(store, 3, list(zip(stored, dest))).success
             want = [bytes(s) for k, s in zip(ks, src) if k in stored]

@@ -176,12 +176,12 @@ def test_drain_and_close_give_up_on_a_stuck_io_thread(make_store, monkeypatch, c
     stuck = threading.Event()
     release = threading.Event()
 
-    def hang(key, dest):  # a read that never returns (a hung network mount)
+    def hang(dest, path):  # a read that never returns (a hung network mount)
         stuck.set()
         release.wait(60)
-        return False
+        raise FileNotFoundError(path)
 
-    monkeypatch.setattr(store, "_load_one", hang)
+    monkeypatch.setattr(store.files, "read", hang)
     results: list[object] = []
     try:
         store.load(1, [(keys(1)[0], rows(1, SIZE)[0])])

@@ -43,7 +43,7 @@ def test_a_write_thread_takes_writes_first():
         pool.submit_read(lambda: hold_read.wait(5))
         pool.submit_write(lambda: hold_write.wait(5))
         deadline = time.monotonic() + 5
-        while pool._busy != {True: 1, False: 1} and time.monotonic() < deadline:
+        while pool.busy() != (1, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         pool.submit_read(lambda: ran.append("read"))
         pool.submit_write(lambda: (ran.append("write"), done.set()))
@@ -90,10 +90,10 @@ def test_store_runs_one_reads_first_thread_per_core_on_a_memory_speed_volume(
         io_threads=3))
     try:
         cores = len(os.sched_getaffinity(0))
-        assert fast._pool.threads == min(cores, 16)
-        assert all(t.name.startswith("kvtier-io-r") for t in fast._pool._threads)
-        assert slow._pool.threads == 16
-        assert pinned._pool.threads == 3
+        assert fast.pool.threads == min(cores, 16)
+        assert fast.pool.write_threads == 0  # every thread takes loads first
+        assert (slow.pool.threads, slow.pool.write_threads) == (16, 8)
+        assert (pinned.pool.threads, pinned.pool.write_threads) == (3, 0)
     finally:
         fast.close()
         slow.close()
@@ -102,9 +102,9 @@ def test_store_runs_one_reads_first_thread_per_core_on_a_memory_speed_volume(
 
 def wait_busy(pool: IOPool, reads: int, writes: int) -> None:
     deadline = time.monotonic() + 5
-    while pool._busy != {True: reads, False: writes} and time.monotonic() < deadline:
+    while pool.busy() != (reads, writes) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pool._busy == {True: reads, False: writes}
+    assert pool.busy() == (reads, writes)
 
 
 def test_spare_threads_for_reads_and_for_writes():
@@ -125,32 +125,60 @@ def test_spare_threads_for_reads_and_for_writes():
     finally:
         gate.set()
         pool.close()
-    assert pool._busy == {True: 0, False: 0}  # all done: every thread free again
+    assert pool.busy() == (0, 0)  # all done: every thread free again
 
 
-def test_a_job_spreads_over_free_threads_and_goes_whole_under_a_backlog(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "probe_memory_speed", lambda d, o: False)
-    store = store_mod.BlockStore(store_mod.StoreConfig(root=str(tmp_path), fingerprint="0" * 16,
-                                                       read_threads=4, write_threads=4))
+def test_a_job_spreads_over_spare_threads_and_goes_whole_under_a_backlog():
+    block = 256 << 10
+    assert [len(b) for b in store_mod.split_job(16, block, spare=8)] == [2] * 8
+    assert [len(b) for b in store_mod.split_job(16, block, spare=0)] == [16]
+    assert [len(b) for b in store_mod.split_job(3, block, spare=8)] == [1, 1, 1]
+    big = store_mod.split_job(100, block, spare=0)  # never more than BATCH_BYTES a task
+    assert [len(b) for b in big] == [32, 32, 32, 4]
+    assert [i for b in big for i in b] == list(range(100))
+
+
+class CountingPool(IOPool):
+    """An I/O pool that counts the tasks each kind of job was split into."""
+
+    def __init__(self, reads: int, writes: int) -> None:
+        super().__init__(reads, writes)
+        self.tasks = {"read": 0, "write": 0}
+
+    def submit_read(self, task):
+        self.tasks["read"] += 1
+        super().submit_read(task)
+
+    def submit_write(self, task):
+        self.tasks["write"] += 1
+        super().submit_write(task)
+
+
+def test_the_store_splits_a_job_by_the_threads_its_pool_has_spare(tmp_path):
+    from tests.offload.conftest import keys, rows
+
+    pool = CountingPool(4, 4)
+    store = store_mod.BlockStore(store_mod.StoreConfig(root=str(tmp_path), fingerprint="0" * 16),
+                                 pool=pool)
     gate = threading.Event()
     try:
         if not store.batch_io:
             pytest.skip("the batch path is off here: one block per task regardless")
-        block = 256 << 10
-        for reads in (True, False):  # a lone job: every thread at once
-            assert [len(b) for b in store._batches(16, block, reads)] == [2] * 8
+        assert store.pool is pool
+        ks, src = keys(16), rows(16, 64 << 10, seed=1)
+        store.store(1, list(zip(ks, src)))  # a lone job: every thread at once
+        assert store.drain(30) and pool.tasks["write"] == 8
         for _ in range(8):
-            store._pool.submit_write(lambda: gate.wait(5))
-        # Stores would only queue behind those: one task. A load still spreads, to take
-        # each thread the writes free.
-        assert [len(b) for b in store._batches(16, block, reads=False)] == [16]
-        assert [len(b) for b in store._batches(16, block, reads=True)] == [2] * 8
-        for _ in range(8):
-            store._pool.submit_read(lambda: gate.wait(5))
-        assert [len(b) for b in store._batches(16, block, reads=True)] == [16]
-        big = store._batches(100, block, reads=True)  # never more than BATCH_BYTES a task
-        assert [len(b) for b in big] == [32, 32, 32, 4]
-        assert [i for b in big for i in b] == list(range(100))
+            pool.submit_write(lambda: gate.wait(5))
+        pool.tasks["write"] = 0
+        store.store(2, list(zip(keys(16), src)))  # behind a backlog: one task
+        # A load still spreads, to take each thread the writes free.
+        store.load(3, list(zip(ks, rows(16, 64 << 10))))
+        assert pool.tasks == {"read": 8, "write": 1}
+        gate.set()
+        assert store.drain(30)
+        assert all(outcome.success for outcome in store.finished())
     finally:
         gate.set()
         store.close()
+    assert pool.busy() == (0, 0)

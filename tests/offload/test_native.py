@@ -39,6 +39,7 @@ def test_the_extension_is_built_here():
     assert native.module.__file__.endswith(".abi3.so")  # stable ABI: one build per platform
 
 
+@pytest.mark.slow
 def test_importing_the_backend_costs_under_half_a_second_and_20_mb():
     # numba used to compile the batch path at import: 6-7 s of CPU and ~110 MB per
     # vLLM process. Best of three runs: the machine is shared.

@@ -16,6 +16,14 @@ from kvtier_offload.store import BlockStore
 SMALL = ["--block-bytes", str(64 << 10), "--total-bytes", str(1 << 20)]
 
 
+@pytest.fixture(autouse=True)
+def unpinned(request, monkeypatch):
+    """Arenas in plain memory: asking for CUDA imports torch (seconds a worker); pinning
+    has its own test (slow), and tests/gpu runs the probe on a GPU."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(probe, "cuda_available", lambda: False)
+
+
 def test_blocks_go_as_one_job_per_threads_share_from_page_aligned_rows(tmp_path, monkeypatch):
     jobs: list[tuple[str, int, int]] = []
     for name in ("store_rows", "load_rows"):
@@ -38,8 +46,10 @@ def test_the_arena_is_page_aligned_rows():
     assert arena.rows.ctypes.data % 4096 == 0 and arena.rows.strides[0] % 4096 == 0
 
 
-@pytest.mark.skipif(not probe.cuda_available(), reason="no CUDA here: rows cannot be pinned")
+@pytest.mark.slow  # imports torch (seconds), and so does asking it for CUDA
 def test_rows_are_pinned_where_cuda_is_available():
+    if not probe.cuda_available():
+        pytest.skip("no CUDA here: rows cannot be pinned")
     import torch
 
     arena = probe.Arena.make(64 << 10, 4)
@@ -62,8 +72,10 @@ def test_the_path_reported_is_the_one_the_store_used(tmp_path, monkeypatch, caps
     assert not result.batch_path
 
 
-@pytest.mark.skipif(not probe.vllm_available(), reason="vLLM is not installed here")
+@pytest.mark.slow  # imports vLLM (seconds), and so does asking whether it is there
 def test_vllm_runs_side_by_side_round_by_round(tmp_path, capsys):
+    if not probe.vllm_available():
+        pytest.skip("vLLM is not installed here")
     assert main(["probe", "--path", str(tmp_path), *SMALL, "--threads", "2", "--vllm",
                  "--rounds", "2"]) == 0
     out = capsys.readouterr().out

@@ -22,9 +22,11 @@ from kvtier_offload.fileformat import (
     decode_header,
     encode_header,
 )
+from kvtier_offload.fileio import advance
+from kvtier_offload.iopool import IOPool
 from kvtier_offload.layout import Layout, fingerprint
 from kvtier_offload.metrics import observe_all
-from kvtier_offload.store import BlockStore, StoreConfig, _Rows, probe_o_direct
+from kvtier_offload.store import BlockStore, StoreConfig, probe_o_direct
 from tests.offload.conftest import FP, keys, rows, run_load, run_store
 
 SIZE = 64 * 1024
@@ -134,6 +136,7 @@ def _writer(root: str, seed: int, n: int, barrier) -> int:
     return sum(outcome.ok)
 
 
+@pytest.mark.slow
 def test_many_processes_writing_the_same_keys(tmp_path):
     n, procs = 40, 4
     ctx = multiprocessing.get_context("fork")
@@ -292,7 +295,7 @@ def test_injected_write_errors_fail_the_job_and_back_off(make_store, monkeypatch
     monkeypatch.setattr(os, "writev", real)
     # backing off: fails fast without touching the volume
     assert not run_store(store, 2, list(zip(keys(1), rows(1, SIZE)))).success
-    store._blocked_until = 0.0
+    store.admission.blocked_until = 0.0  # the backoff is over
     assert run_store(store, 3, list(zip(keys(1), rows(1, SIZE)))).success
     tmps = [f for _, _, files in os.walk(store.layout.base) for f in files if f.endswith(".tmp")]
     assert tmps == []
@@ -320,22 +323,29 @@ def test_close_errors_are_seen(make_store, monkeypatch):
 @pytest.mark.parametrize("why", ["backoff", "stale"])
 def test_stores_backing_off_or_too_long_queued_are_dropped_on_either_path(make_store, batch_io,
                                                                           why):
+    import threading
+
     from prometheus_client import REGISTRY
 
     def dropped() -> float:
         return REGISTRY.get_sample_value("kvtier_offload_dropped_writes_total",
                                          {"reason": why}) or 0.0
 
-    store = make_store(batch_io=batch_io, write_queue_seconds=30.0)
+    pool = IOPool(1, 0)  # one thread, held below while the job waits
+    store = make_store(batch_io=batch_io, pool=pool,
+                       write_queue_seconds=30.0 if why == "backoff" else 0.2)
     before = dropped()
     ks, src = keys(3), region(3, seed=77)
-    job = store._start_job(1, "store", ks)
-    enqueued = time.monotonic()
+    gate = threading.Event()
+    pool.submit_write(lambda: gate.wait(5))
     if why == "backoff":
-        store._blocked_until = enqueued + 60.0
+        store.admission.blocked_until = time.monotonic() + 60.0
+        store.store_rows(1, ks, src, range(3))
     else:
-        enqueued -= 31.0  # queued longer than its budget
-    store._store_task(job, ks, _Rows(src, np.arange(3)), range(3), enqueued)
+        store.store_rows(1, ks, src, range(3))
+        time.sleep(0.3)  # queued longer than its budget
+    gate.set()
+    assert store.drain(30)
     (outcome,) = store.finished()
     assert outcome.ok == [False] * 3 and outcome.nbytes == 0
     assert dropped() == before + 3
@@ -355,7 +365,7 @@ def test_a_store_the_lookup_cache_knows_is_not_written_again(make_store, batch_i
     assert run_rows(store, "store", 3, ks[1:2], src, [1]).success
     assert os.path.exists(store.layout.path(ks[1]))
     # every reservation against the queue and the free-space floor was given back
-    assert store._unwritten == 0 and store._queued_write_bytes == 0
+    assert store.admission.unwritten_bytes == 0 and store.admission.queued_bytes == 0
 
 
 def test_free_space_floor_stops_writes(make_store):
@@ -369,13 +379,13 @@ def test_free_space_floor_stops_writes(make_store):
 def test_overload_drops_stores_and_never_reports_them(make_store, monkeypatch):
     store = make_store(write_threads=1, read_threads=1, write_queue_seconds=0.2,
                        batch_io=False)
-    real = store._write_file
+    real = store.files.write
 
     def slow(*args):
         time.sleep(0.1)
         return real(*args)
 
-    monkeypatch.setattr(store, "_write_file", slow)
+    monkeypatch.setattr(store.files, "write", slow)
     ks = keys(20)
     outcome = run_store(store, 1, list(zip(ks, rows(20, SIZE))))
     stored = [k for k, ok in zip(ks, outcome.ok) if ok]
@@ -461,15 +471,15 @@ def test_aligned_blocks_take_the_batch_path_first_writes_included(make_store, mo
     def python_path(*args):
         raise AssertionError("the Python path ran")
 
-    monkeypatch.setattr(store, "_write_file", python_path)
-    monkeypatch.setattr(store, "_read_verified", python_path)
+    monkeypatch.setattr(store.files, "write", python_path)
+    monkeypatch.setattr(store.files, "read", python_path)
     ks, src = keys(6), rows(6, SIZE, seed=31)  # random keys: every block in a new directory
     assert run_store(store, 1, list(zip(ks, src))).success
     dest = rows(6, SIZE, seed=32)
     assert run_load(store, 2, list(zip(ks, dest))).success
     assert [bytes(d) for d in dest] == [bytes(s) for s in src]
     off = make_store(batch_io=False)
-    monkeypatch.setattr(off, "_write_file", python_path)
+    monkeypatch.setattr(off.files, "write", python_path)
     assert not run_store(off, 3, list(zip(keys(1), rows(1, SIZE)))).success
 
 
@@ -497,7 +507,7 @@ def test_a_block_the_batch_cannot_finish_goes_the_python_way(make_store):
 @pytest.mark.skipif(not batchio.AVAILABLE, reason=batchio.UNAVAILABLE_REASON or "-")
 def test_blocks_in_pieces_round_trip_and_damage_is_refused(make_store):
     store = make_store()
-    store._piece = 8192  # what a memory-speed volume gets (512 KiB), at test size
+    store.files.piece = 8192  # what a memory-speed volume gets (512 KiB), at test size
     ks, src = keys(3), rows(3, SIZE, seed=81)
     assert run_store(store, 1, list(zip(ks, src))).success
     plain = make_store(batch_io=False)  # the Python path reads what pieces wrote
@@ -520,11 +530,11 @@ def test_an_unexpected_error_fails_the_block_and_never_hangs_the_job(make_store,
     def broken(*args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(store, "_check", broken)
+    monkeypatch.setattr(store.files, "read", broken)
     monkeypatch.setattr(batchio, "read_blocks", broken)
     outcome = run_load(store, 2, list(zip(ks, rows(3, SIZE))))  # drain() would time out
     assert outcome.ok == [False, False, False]
-    monkeypatch.setattr(store, "_write_file", broken)
+    monkeypatch.setattr(store.files, "write", broken)
     monkeypatch.setattr(batchio, "write_blocks", broken)
     assert run_store(store, 3, list(zip(keys(2), rows(2, SIZE)))).ok == [False, False]
 
@@ -584,15 +594,15 @@ def test_rows_the_batch_path_cannot_take_go_the_python_way(make_store, monkeypat
     odd = SIZE + 4  # not whole 8-byte words: the machine code takes no such row
     ks, src = keys(2), region(2, odd, seed=73)
     called = []
-    for name in ("_store_python", "_load_one"):
-        real = getattr(store, name)
-        monkeypatch.setattr(store, name,
+    for name in ("write", "read"):  # one block on the Python path
+        real = getattr(store.files, name)
+        monkeypatch.setattr(store.files, name,
                             lambda *a, real=real, name=name: called.append(name) or real(*a))
     assert run_rows(store, "store", 1, ks, src, [0, 1]).success
     dest = region(2, odd)
     assert run_rows(store, "load", 2, ks, dest, [1, 0]).success
     assert dest[1].tobytes() == src[0].tobytes() and dest[0].tobytes() == src[1].tobytes()
-    assert sorted(called) == ["_load_one"] * 2 + ["_store_python"] * 2
+    assert sorted(called) == ["read"] * 2 + ["write"] * 2
 
 
 def test_rows_read_only_are_never_loaded_into(make_store):
@@ -692,6 +702,7 @@ def test_observe_all_counts_like_observe_one_by_one():
 
 
 @pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
+@pytest.mark.slow
 def test_the_latency_histogram_gets_each_blocks_own_time(tmp_path, batch_io):
     from kvtier_offload.metrics import Metrics, Recorder
 
@@ -754,16 +765,11 @@ def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
         return REGISTRY.get_sample_value("kvtier_offload_queue_depth",
                                          {"direction": direction}) or 0.0
 
-    store = make_store()
+    pool = IOPool(1, 0)
+    store = make_store(pool=pool)
     before = depth("store"), depth("load")
     gate = threading.Event()
-    real = store._store_batch
-
-    def held(*args):
-        gate.wait(10)
-        real(*args)
-
-    monkeypatch.setattr(store, "_store_batch", held)
+    pool.submit_write(lambda: gate.wait(10))  # the job's tasks wait behind this one
     ks, src = keys(5), rows(5, SIZE, seed=71)
     store.store(1, list(zip(ks, src)))
     assert depth("store") == before[0] + 5  # queued or in flight, counted in blocks
@@ -775,12 +781,10 @@ def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
 
 
 def test_partial_transfers_advance_the_buffer_list():
-    from kvtier_offload.store import _advance
-
     views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"hi")]
-    _advance(views, 5)
+    advance(views, 5)
     assert [bytes(v) for v in views] == [b"fg", b"hi"]
-    _advance(views, 4)
+    advance(views, 4)
     assert views == []
 
 
@@ -830,7 +834,20 @@ def _vllm_prefix_scan(store, ks, seconds=5.0):
     raise AssertionError("lookups never settled: the request would never be scheduled")
 
 
-def test_a_lookup_the_volume_never_answers_becomes_a_miss(make_store):
+def hung_stats(monkeypatch, store, paths: set[str], wait) -> None:
+    """Every stat (lookup) of one of these block paths calls wait() first: a slow or hung
+    volume."""
+    real = store.files.lstat
+
+    def lstat(path):
+        if path in paths:
+            wait()
+        return real(path)
+
+    monkeypatch.setattr(store.files, "lstat", lstat)
+
+
+def test_a_lookup_the_volume_never_answers_becomes_a_miss(make_store, monkeypatch):
     import threading
 
     store = make_store(lookup_pending_seconds=0.05)
@@ -838,8 +855,7 @@ def test_a_lookup_the_volume_never_answers_becomes_a_miss(make_store):
     run_store(store, 1, [(key, memoryview(bytearray(4096)))])
     store.forget(key)
     release = threading.Event()
-    real = store._stat_key
-    store._stat_key = lambda k: (release.wait(), real(k))[1]  # a hung mount
+    hung_stats(monkeypatch, store, {store.layout.path(key)}, release.wait)  # a hung mount
     try:
         assert store.lookup(key) is None  # asked: the lookup threads stat it
         assert _vllm_prefix_scan(store, [key]) == 0  # unanswered in time: a miss
@@ -850,7 +866,7 @@ def test_a_lookup_the_volume_never_answers_becomes_a_miss(make_store):
         assert time.monotonic() < deadline
 
 
-def test_a_long_scan_on_a_slow_volume_settles_with_the_hits_it_found(make_store):
+def test_a_long_scan_on_a_slow_volume_settles_with_the_hits_it_found(make_store, monkeypatch):
     """Stats slower than the hit TTL allows for a whole prefix: hits must not expire
     before the request can use them, and the keys not reached in time are a miss."""
     ttl = 0.2
@@ -859,12 +875,7 @@ def test_a_long_scan_on_a_slow_volume_settles_with_the_hits_it_found(make_store)
     run_store(store, 1, [(k, memoryview(bytearray(4096))) for k in ks])
     for k in ks:
         store.forget(k)
-    real = store._stat_key
-
-    def slow(k):  # 40 keys at 10 ms: twice the hit TTL for the whole scan
-        time.sleep(0.01)
-        return real(k)
-
-    store._stat_key = slow
+    # 40 keys at 10 ms: twice the hit TTL for the whole scan
+    hung_stats(monkeypatch, store, {store.layout.path(k) for k in ks}, lambda: time.sleep(0.01))
     hits = _vllm_prefix_scan(store, ks)
     assert 0 < hits < len(ks)

@@ -161,6 +161,7 @@ def test_cel_rules_exist_for_cross_field_checks():
                            "spec.mooncake.masterService.namespace"}
 
 
+@pytest.mark.slow
 def test_cel_rules_accept_the_examples():
     for f in (ROOT / "examples").glob("*.yaml"):
         doc = yaml.safe_load(f.read_text())

@@ -224,6 +224,7 @@ def hostile_cases(tpc: TieredPrefixCache, shape, stubs: Path, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.slow  # runs the container's command line in a shell, per case
 def test_hostile_mount_path_never_runs_and_config_arrives_intact(shape, stubs, tmp_path):
     failures = hostile_cases(parse_tpc(tpc_doc()), shape, stubs, tmp_path)
     assert not failures, "\n".join(failures)
@@ -234,6 +235,7 @@ def test_hostile_mount_path_never_runs_and_config_arrives_intact(shape, stubs, t
                          ids=["gpu-direct", "lmcache-disk"])
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] in ("exec", "example-multi-line")],
                          ids=["exec", "example-multi-line"])
+@pytest.mark.slow  # runs the container's command line in a shell, per case
 def test_other_connectors_carry_the_path_intact(spec, shape, stubs, tmp_path):
     failures = hostile_cases(parse_tpc(tpc_doc(spec)), shape, stubs, tmp_path)
     assert not failures, "\n".join(failures)

@@ -57,6 +57,29 @@ def test_docs_show_a_resource():
     assert EXAMPLES
 
 
+def implied_objects(doc: dict) -> dict[str, str]:
+    """The owned objects a shown resource asks for, kind -> name: a PVC where it asks for
+    one (not an existing claim), the evictor's CronJob wherever it has a shared tier, the
+    router's ConfigMap where the router is on."""
+    name, spec = doc["metadata"]["name"], doc["spec"]
+    storage = spec.get("storage") or {}
+    implied = {}
+    if "pvc" in storage:
+        implied["PersistentVolumeClaim"] = f"{name}-kv-cache"
+    if storage:
+        implied["CronJob"] = f"{name}-evictor"
+    if (spec.get("router") or {}).get("enabled"):
+        implied["ConfigMap"] = f"{name}-router"
+    return implied
+
+
 @pytest.mark.parametrize(("where", "doc"), EXAMPLES, ids=[w for w, _ in EXAMPLES])
-def test_every_doc_example_renders(where, doc):
-    assert render_objects(parse_tpc(doc), RenderContext()) is not None
+def test_every_doc_example_renders_the_objects_it_implies(where, doc):
+    objects = render_objects(parse_tpc(doc), RenderContext())
+    assert {o["kind"]: o["metadata"]["name"] for o in objects} == implied_objects(doc)
+    namespace = doc["metadata"].get("namespace", "default")
+    assert {o["metadata"].get("namespace", "default") for o in objects} <= {namespace}
+    claim = (doc["spec"].get("storage") or {}).get("pvc")
+    for o in objects:
+        if o["kind"] == "PersistentVolumeClaim":
+            assert o["spec"]["resources"]["requests"]["storage"] == claim["size"]

@@ -93,6 +93,7 @@ def _run_local(command: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", LOCAL + INLINE_MAKE)
+@pytest.mark.slow
 def test_every_local_command_runs(command):
     result = _run_local(command)
     assert result.returncode == 0, f"{command!r} exited {result.returncode}:\n{result.stderr}"

@@ -387,18 +387,22 @@ def make_gateway():
                    retries=3, backoff=0, sleep=lambda s: None)
 
 
+# The gateway tests build the kubernetes client's API classes: seconds of imports a worker.
 @pytest.mark.parametrize("status", [409, 429, 500, 503])
+@pytest.mark.slow
 def test_gateway_retries_conflicts_and_server_errors(status):
     api = FlakyApi([status, status, 200])
     assert make_gateway()._call("x", api) == {"ok": True}
     assert api.calls == 3
 
 
+@pytest.mark.slow
 def test_gateway_gives_up_as_retryable():
     with pytest.raises(RetryableError):
         make_gateway()._call("x", FlakyApi([500] * 4))
 
 
+@pytest.mark.slow
 def test_gateway_does_not_retry_a_client_error():
     api = FlakyApi([422, 200])
     with pytest.raises(ApiRejected) as err:
@@ -406,6 +410,7 @@ def test_gateway_does_not_retry_a_client_error():
     assert err.value.status == 422 and api.calls == 1
 
 
+@pytest.mark.slow
 def test_gateway_create_conflict_is_not_retried():
     api = FlakyApi([409, 200])
     with pytest.raises(ApiRejected):

@@ -296,6 +296,7 @@ def test_the_longest_script_read_is_classified_fast(unit):
 
 
 @pytest.mark.parametrize("unit", ["a;", "x>y ", "$(a)", '"x"', "a b c d "])
+@pytest.mark.slow
 def test_the_scan_is_linear(unit, monkeypatch):
     """With the length cap lifted 16-fold, the time grows about 16-fold, not 256-fold."""
     tail = "\nexec vllm serve m"

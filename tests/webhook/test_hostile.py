@@ -299,6 +299,7 @@ def big_pod(name):
     return pod
 
 
+@pytest.mark.slow
 async def test_large_bodies_are_admitted_in_a_worker_process(hook):
     """The real, spawned worker process: the answer is the one admit gives in this one."""
     hook.caches.observe("ADDED", load_example("native-kvtier.yaml"))

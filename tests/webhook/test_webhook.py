@@ -6,8 +6,10 @@ import asyncio
 import base64
 import copy
 import json
+import os
 import socket
 import ssl
+import time
 
 import aiohttp
 import jsonpatch
@@ -212,6 +214,7 @@ async def test_garbage_gets_400(webhook, body):
         assert "error" in answer
 
 
+@pytest.mark.slow
 async def test_oversized_body_gets_413(webhook):
     status, _ = await webhook.post(MUTATE_PATH, data=b"{" + b" " * (4 * 1024 * 1024) + b"}")
     assert status == 413
@@ -373,6 +376,67 @@ async def test_certificate_rotation_is_picked_up(tmp_path):
     finally:
         watcher.cancel()
         await runner.cleanup()
+
+
+class CountingContext(ssl.SSLContext):
+    """A server context that counts the certificate loads into it."""
+
+    loads = 0
+
+    def load_cert_chain(self, *args, **kwargs):
+        self.loads += 1
+        super().load_cert_chain(*args, **kwargs)
+
+
+async def watched_context(certs):
+    """A server context over certs/, its watcher running every 20 ms, once it has looked."""
+    ctx = CountingContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(certs / "tls.crt"), str(certs / "tls.key"))
+    ctx.loads = 0
+    watcher = asyncio.create_task(watch_certificates(ctx, str(certs / "tls.crt"),
+                                                     str(certs / "tls.key"), interval=0.02))
+    await asyncio.sleep(0.05)
+    return ctx, watcher
+
+
+def times(certs) -> dict[str, tuple[int, int]]:
+    return {name: (os.stat(certs / name).st_atime_ns, os.stat(certs / name).st_mtime_ns)
+            for name in ("tls.crt", "tls.key")}
+
+
+async def test_a_rotation_that_keeps_the_mtimes_is_picked_up(tmp_path):
+    """A copy that preserves mtimes (cp -p, some secret syncers): the content decides."""
+    certs = tmp_path / "certs"
+    make_certs(certs)
+    ctx, watcher = await watched_context(certs)
+    try:
+        before = times(certs)
+        make_certs(certs)  # rotate
+        for name, (atime, mtime) in before.items():
+            os.utime(certs / name, ns=(atime, mtime))
+        assert times(certs) == before
+        for _ in range(100):
+            if ctx.loads:
+                break
+            await asyncio.sleep(0.02)
+        assert ctx.loads == 1
+    finally:
+        watcher.cancel()
+
+
+async def test_new_mtimes_on_the_same_certificate_do_not_reload_it(tmp_path):
+    certs = tmp_path / "certs"
+    make_certs(certs)
+    ctx, watcher = await watched_context(certs)
+    try:
+        for name in ("tls.crt", "tls.key"):
+            path = certs / name
+            path.write_bytes(path.read_bytes())  # rewritten, the same bytes
+            os.utime(path, ns=(time.time_ns() + 10**11,) * 2)
+        await asyncio.sleep(0.2)  # ten looks at the files
+        assert ctx.loads == 0
+    finally:
+        watcher.cancel()
 
 
 @pytest.mark.parametrize(("src", "dst"), [
