@@ -22,6 +22,9 @@ from tests.e2e.fixtures import baseline, model, plain_tokens  # noqa: F401 (fixt
 
 GLUSTERFS_GROUP = "glusterfs"
 GLUSTERFS_DIR = "tests/netfs/"
+# tests/s3 shares one S3 server (Ceph's RADOS Gateway, ~13 s to start): one worker runs it.
+S3_GROUP = "s3"
+S3_DIR = "tests/s3/"
 
 
 def needs_glusterfs(item: pytest.Item) -> bool:
@@ -45,11 +48,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadGroupScheduling
 
     class OneGlusterfsWorker(LoadGroupScheduling):
-        """loadgroup, with all of tests/netfs as one group."""
+        """loadgroup, with all of tests/netfs as one group and all of tests/s3 as
+        another."""
 
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(GLUSTERFS_DIR):
                 return GLUSTERFS_GROUP
+            if nodeid.startswith(S3_DIR):
+                return S3_GROUP
             return str(super()._split_scope(nodeid))
 
     return OneGlusterfsWorker(config, log)
