@@ -10,7 +10,8 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test check lint crds docs bench images clean glusterfs-packages engine-sources sanitize
+.PHONY: demo test check lint crds docs bench images clean glusterfs-packages ceph-packages \
+  engine-sources sanitize
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -94,11 +95,23 @@ glusterfs-packages:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq glusterfs-server glusterfs-client \
 	  >/dev/null; } || echo "make: no GlusterFS packages; the glusterfs tests will skip" >&2
 
+# The object tier's tests (tests/s3) run against a real S3 server, Ceph's RADOS Gateway on
+# a one-node memstore cluster (tests/rgw.py): Debian's radosgw, ceph-mon and ceph-osd
+# (about 55 s to install, once), installed here when missing and we are root with
+# apt-get; otherwise those tests skip and say why.
+ceph-packages:
+	@command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && \
+	  command -v ceph-osd >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  radosgw ceph-mon ceph-osd >/dev/null; } || \
+	echo "make: no Ceph packages; the S3 tests (tests/s3) will skip" >&2
+
 # The suite runs on one pytest-xdist worker per core (PYTEST_WORKERS=0: in this process);
 # tests/conftest.py keeps the GlusterFS tests on one worker (one glusterd per machine).
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 PYTEST_WORKERS ?= auto
-test: $(STAMP_DEV) $(HELM) glusterfs-packages
+test: $(STAMP_DEV) $(HELM) glusterfs-packages ceph-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache

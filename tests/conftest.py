@@ -22,6 +22,9 @@ from tests.e2e.fixtures import baseline, model, plain_tokens  # noqa: F401 (fixt
 
 GLUSTERFS_GROUP = "glusterfs"
 GLUSTERFS_DIR = "tests/netfs/"
+# tests/s3 shares one S3 server (Ceph's RADOS Gateway, ~13 s to start): one worker runs it.
+S3_GROUP = "s3"
+S3_DIR = "tests/s3/"
 
 
 def needs_glusterfs(item: pytest.Item) -> bool:
@@ -37,11 +40,12 @@ def needs_glusterfs(item: pytest.Item) -> bool:
 # a new or moved folder must be classified here (a test run says so).
 FAST_DIRS = ("tests/unit/", "tests/webhook/", "tests/offload/", "tests/evictor/")
 SLOW_DIRS = ("tests/integration/", "tests/chart/", "tests/e2e/", "tests/netfs/",
-             "tests/vllm/", "tests/gpu/")
+             "tests/vllm/", "tests/gpu/", "tests/s3/")
 SLOW_MODULES = (
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
+    "tests/offload/test_vllm_local_tier.py",
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
     "tests/offload/test_syscalls.py",  # strace in a child per test
     "tests/offload/test_cli.py",  # the init container's install, in subprocesses
@@ -96,11 +100,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadGroupScheduling
 
     class OneGlusterfsWorker(LoadGroupScheduling):
-        """loadgroup, with all of tests/netfs as one group."""
+        """loadgroup, with all of tests/netfs as one group and all of tests/s3 as
+        another."""
 
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(GLUSTERFS_DIR):
                 return GLUSTERFS_GROUP
+            if nodeid.startswith(S3_DIR):
+                return S3_GROUP
             return str(super()._split_scope(nodeid))
 
     return OneGlusterfsWorker(config, log)

@@ -142,6 +142,24 @@ def cmd_sweep_shm(args: argparse.Namespace) -> int:
         return 127
 
 
+def cmd_evict_objects(args: argparse.Namespace) -> int:
+    """Hold a bucket prefix to a byte budget (object_evict.py); a JSON summary on stdout.
+    Credentials and the region come from the environment (a Secret), like the tier's."""
+    import json
+
+    from kvtier_offload.object_evict import evict_to_budget
+    from kvtier_offload.object_store import ObjectStoreConfig, make_client
+
+    settings = ObjectStoreConfig(bucket=args.bucket, fingerprint="", prefix=args.prefix,
+                                 endpoint_url=args.endpoint_url,
+                                 addressing_style=args.addressing_style)
+    settings.check()
+    report = evict_to_budget(make_client(settings), args.bucket, args.prefix,
+                             args.budget_bytes, args.min_age_seconds, args.dry_run)
+    print(json.dumps(report.to_dict(), sort_keys=True))
+    return 1 if report.failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier_offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,7 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--dir", default="/dev/shm")
     sw.add_argument("command_line", nargs=argparse.REMAINDER,
                     help="-- COMMAND ARGS...: run after the sweep (exec, same process)")
+    ev = sub.add_parser("evict-objects", help="delete the oldest block objects of the object "
+                        "tier until a bucket prefix holds at most --budget-bytes")
+    ev.add_argument("--bucket", required=True)
+    ev.add_argument("--prefix", default="kvtier/v1")
+    ev.add_argument("--budget-bytes", type=int, required=True)
+    ev.add_argument("--min-age-seconds", type=float, default=600.0)
+    ev.add_argument("--endpoint-url", default=None)
+    ev.add_argument("--addressing-style", default="auto", choices=("auto", "path", "virtual"))
+    ev.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "evict-objects":
+        return cmd_evict_objects(args)
     if args.command == "install":
         return install(args.target)
     if args.command == "sweep-shm":

@@ -41,6 +41,7 @@ from kvtier_offload import batchio, native
 from kvtier_offload import digest as payload_digest
 from kvtier_offload.admission import WriteAdmission
 from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
+from kvtier_offload.capacity import BoundedFiles
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
 from kvtier_offload.fileio import BlockFiles
@@ -143,6 +144,9 @@ class StoreConfig:
     lookup_queue_limit: int = 65_536
     lookup_cache_entries: int = 500_000
     touch_interval: float = 60.0  # refresh a hit file's atime at most this often
+    # A node-local tier's bound on its block files' bytes, least recently used evicted to
+    # stay under it (capacity.py); 0: unbounded (a shared volume: the evictor's job).
+    capacity_bytes: int = 0
 
 
 @dataclass
@@ -174,7 +178,12 @@ class BlockStore:
                        "server's image")
             log.error("%s", message)
             raise NoDigest(message)
-        self._files = BlockFiles(self.layout, direct=False)
+        self._files: BlockFiles
+        if config.capacity_bytes:  # an evicted block must stop being a cached lookup hit
+            self._files = BoundedFiles(self.layout, config.capacity_bytes,
+                                       forget=lambda key: self.forget(key))
+        else:
+            self._files = BlockFiles(self.layout, direct=False)
         try:
             self._files.ensure_dirs(self.layout.base)
         except OSError as err:

@@ -7,6 +7,9 @@ vLLM from the kv-transfer-config the operator renders:
     {"type": "KvtierStorageTier", "module_path": "kvtier_offload.vllm_tier",
      "root_dir": "/mnt/files-storage", "n_read_threads": 16, "n_write_threads": 16}
 
+A node-local directory (local NVMe) goes before the shared one in secondary_tiers, with
+"capacity_bytes": the tier then never holds more than that (capacity.py).
+
 Failures are first-class here: a failed load makes vLLM recompute, so the store reports
 exactly what it could verify and nothing more.
 """
@@ -65,10 +68,12 @@ class KvtierStorageTier(SecondaryTierManager):
         fsync: bool = False,
         free_space_floor_percent: float = 2.0,
         write_queue_seconds: float = 10.0,
+        capacity_bytes: int | str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Here, not at the top: vLLM's API server imports this module for the metric
         # definitions alone and should not compile the block store's machine code.
+        from kvtier_offload.capacity import parse_capacity
         from kvtier_offload.store import BlockStore, StoreConfig
 
         self.locality = Locality(locality) if locality is not None else None
@@ -80,6 +85,9 @@ class KvtierStorageTier(SecondaryTierManager):
             write_threads=n_write_threads, o_direct=o_direct, fsync=fsync,
             free_space_floor_percent=free_space_floor_percent,
             write_queue_seconds=write_queue_seconds,
+            # A node-local root (local NVMe) bounds itself: LRU inside the backend.
+            capacity_bytes=0 if capacity_bytes is None else parse_capacity(
+                capacity_bytes, self.block_size_bytes),
         ), metrics=Metrics(self._recorder))
         self.store.layout.write_config(config)
         self.events: list[OffloadingEvent] | None = None
