@@ -154,3 +154,26 @@ def test_a_job_spreads_over_free_threads_and_goes_whole_under_a_backlog(tmp_path
     finally:
         gate.set()
         store.close()
+
+
+def test_an_urgent_read_goes_before_queued_reads():
+    """vLLM 0.33's expedited (sync) loads: the engine waits for them within its step."""
+    pool = IOPool(read_threads=1, write_threads=0)
+    gate = threading.Event()
+    order = []
+
+    def task(name: str, wait: bool = False):
+        def run():
+            if wait:
+                gate.wait(5)
+            order.append(name)
+        return run
+
+    pool.submit_read(task("blocker", wait=True))
+    time.sleep(0.05)  # the blocker holds the only thread
+    pool.submit_read(task("r0"))
+    pool.submit_read(task("r1"))
+    pool.submit_read(task("u0"), urgent=True)
+    gate.set()
+    pool.close()
+    assert order == ["blocker", "u0", "r0", "r1"], order

@@ -4,6 +4,7 @@ is there. CPU tensors; the real engine repeats this in tests/e2e/test_recompute.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from types import SimpleNamespace
@@ -150,6 +151,95 @@ def test_connector_reports_failed_requests_as_finished_and_failed():
     results = connector.get_transfer_results(set())
     assert results.finished_recving == {"hybrid"} and results.failed_recving == {"hybrid"}
     assert connector.get_block_ids_with_load_errors() == set()
+
+
+# vLLM 0.33's sync loads (sync_load_budget_bytes > 0): in _load_jobs with no request id.
+
+
+def test_a_failed_sync_load_is_reported_by_block_id_and_never_as_received():
+    worker = _connector_worker(1, [_result(7, False), _result(8, True), _result(9, True)],
+                               {7: [20, 21]})
+    worker._load_jobs = {7: None, 8: None}  # sync loads; 9 is a store
+    assert worker.get_finished(set()) == (set(), set())  # their requests already run
+    assert worker.take_failed_block_ids() == {20, 21}
+    assert worker.take_failed_req_ids() == set()
+    assert worker._load_jobs == {}
+    assert worker._connector_worker_meta.completed_jobs == {7: 1, 8: 1, 9: 1}
+
+
+def test_a_sync_loads_transfer_counts_as_a_load_not_a_store():
+    from vllm.v1.kv_offload.base import TransferResult
+
+    worker = _connector_worker(1, [TransferResult(job_id=8, success=True, transfer_size=4096,
+                                                  transfer_time=0.5)], {})
+    worker._load_jobs = {8: None}
+    worker.get_finished(set())
+    stats = worker._connector_worker_meta.transfer_stats
+    assert (stats.load.bytes, stats.store.bytes) == (4096, 0)
+
+
+def test_a_failed_sync_load_that_vllm_cannot_recompute_stops_the_engine():
+    """Several KV cache groups: vLLM cannot take block ids (the spec and the connector
+    refuse sync loads there, so this is a last line): never a silent wrong answer."""
+    worker = _connector_worker(2, [_result(7, False)], {7: [3]})
+    worker._load_jobs = {7: None}
+    with pytest.raises(RuntimeError, match="sync load"):
+        worker.get_finished(set())
+
+
+def test_the_connector_hands_a_failed_sync_loads_blocks_to_vllm():
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    connector = object.__new__(KvtierOffloadingConnector)
+    connector.connector_worker = _connector_worker(1, [_result(7, False)], {7: [5, 6]})
+    connector.connector_worker._load_jobs = {7: None}
+    connector._connector_metadata = _offloading_metadata()
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == set() and results.failed_recving == set()
+    assert connector.get_block_ids_with_load_errors() == {5, 6}
+
+
+def _groups_config(groups: int, **extra):
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    config = _config(0, tp=1, root_dir="/nonexistent", **extra)
+    return dataclasses.replace(config, groups=tuple(
+        OffloadingGroupConfig(tokens_per_block=32, layer_names=(f"g{g}",), group_id=g)
+        for g in range(groups)))
+
+
+def test_the_spec_refuses_sync_loads_for_a_model_with_several_kv_groups():
+    from kvtier_offload.vllm_spec import KvtierOffloadingSpec
+
+    with pytest.raises(ValueError, match=r"sync_load_budget_bytes.*one KV cache group"):
+        KvtierOffloadingSpec(_groups_config(2, sync_load_budget_bytes=1 << 20))
+    KvtierOffloadingSpec(_groups_config(2))  # no sync loads: async loads fail by request
+    KvtierOffloadingSpec(_groups_config(2, sync_load_budget_bytes=0))
+    KvtierOffloadingSpec(_groups_config(1, sync_load_budget_bytes=1 << 20))
+
+
+def test_the_connector_refuses_sync_loads_for_a_model_with_several_kv_groups():
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    def vllm_config(budget):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"sync_load_budget_bytes": budget}))
+
+    hybrid = SimpleNamespace(kv_cache_groups=[object(), object()])
+    with pytest.raises(ValueError, match=r"sync_load_budget_bytes.*one KV cache group"):
+        KvtierOffloadingConnector(vllm_config(1 << 20), None, hybrid)
+
+
+def test_the_connector_declines_sleep_mode():
+    """vLLM 0.33 asks before it allows enable_sleep_mode: the worker's views of the KV
+    tensors are not rebuilt on wake-up (0.32 never asks)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    assert KvtierOffloadingConnector.supports_sleep_mode(SimpleNamespace()) is False
+    if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):  # 0.33+: vLLM's own default
+        assert KVConnectorBase_V1.supports_sleep_mode(SimpleNamespace()) is True
 
 
 def _offloading_metadata():
