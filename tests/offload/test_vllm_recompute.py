@@ -311,6 +311,32 @@ def tp2(tmp_path):
         w.shutdown()
 
 
+def test_gpu_direct_publishes_kvtier_facts_on_vllms_config_info(tp2, tmp_path):
+    """vLLM 0.33's vllm:kv_offload_config_info had no labels in GPU-direct mode: kvtier's
+    spec declares, and its manager fills, where the files are, rank 0's fingerprint and
+    the file format (0.32 never asks)."""
+    from kvtier_offload.fileformat import VERSION
+    from kvtier_offload.vllm_spec import KvtierOffloadingSpec
+    from kvtier_operator.loading import parse_tpc
+    from kvtier_operator.render.connector import kv_transfer_config
+    from tests.e2e.engine import GPU_DIRECT_EXAMPLE
+    from tests.helpers import example
+    from tests.offload.worker_cases import config_info_series
+
+    keys = KvtierOffloadingSpec.config_info_keys({})
+    assert "tier" not in keys
+    facts = {"kvtier_root": str(tmp_path),
+             "kvtier_fingerprint": tp2.manager.store.layout.fingerprint,
+             "kvtier_file_format": VERSION}
+    assert tp2.manager.config_info() == [facts] and tuple(facts) == keys
+    rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+    published = config_info_series(rendered["kv_connector_extra_config"],
+                                   tp2.manager.config_info())
+    if published is not None:  # vLLM 0.33+
+        want = {"model_name": "m", "engine": "0", **{k: str(v) for k, v in facts.items()}}
+        assert published == {tuple(sorted(want.items())): 1.0}
+
+
 def test_tp_ranks_write_apart_and_the_manager_knows_every_ranks_files(tp2):
     from vllm.v1.kv_offload.base import LookupResult
 
