@@ -6,6 +6,7 @@ block file costs a recompute, never the engine."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,46 @@ def test_a_sync_load_budget_hits_and_a_corrupt_block_costs_a_recompute(model, pl
         assert hit["expedited"] >= 1 and run["sync_failures"] >= 1, run
     else:
         assert run["expedited"] == 0 and run["sync_failures"] == 0, run
+
+
+def test_the_api_server_with_a_sync_load_budget_hits_and_publishes_kvtier_facts(
+        model, baseline, tmp_path):
+    """The OpenAI server as a pod runs it, with a sync-load budget: its first hit from
+    files does not stop it (0.33 did, with a TypeError), the tokens are those without
+    offloading, and on 0.33 /metrics carries kvtier's facts on vllm:kv_offload_config_info
+    (GPU-direct mode: the series had no labels)."""
+    import re
+
+    from kvtier_offload.fileformat import VERSION
+    from tests.e2e.engine import prompt
+    from tests.e2e.fixtures import PLAIN_SEED
+    from tests.e2e.server import server
+    from tests.e2e.sync_load import SYNC_BUDGET
+
+    root = tmp_path / "D"
+    with server(model, root, tmp_path, sync_load_budget_bytes=SYNC_BUDGET) as s:
+        tokens = prompt(PLAIN_SEED)
+        assert s.complete(tokens) == (baseline, 0)
+        deadline = time.monotonic() + 60
+        while len(blocks(root)) < FULL_BLOCKS_TOKENS // 32:
+            assert time.monotonic() < deadline, "the prompt's blocks were never stored"
+            time.sleep(0.05)
+        s.request("/reset_prefix_cache", {})  # the GPU's: the prefix is in files only
+        assert s.complete(tokens) == (baseline, FULL_BLOCKS_TOKENS), s.tail()
+        assert s.complete(tokens)[0] == baseline
+        assert s.process.poll() is None
+        metrics = s.request("/metrics").decode()
+        version = s.request("/version").decode()
+    info = [line for line in metrics.splitlines()
+            if line.startswith("vllm:kv_offload_config_info{")]
+    if '"0.32.' in version:
+        assert info == []  # 0.32 has no such metric
+        return
+    (line,) = info
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert labels["kvtier_root"] == str(root) and labels["kvtier_file_format"] == str(VERSION)
+    (fingerprint,) = [p.name for p in (root / "kvtier" / "v1").iterdir()]
+    assert labels["kvtier_fingerprint"] == fingerprint and line.endswith(" 1.0")
 
 
 @pytest.mark.privileged
