@@ -446,7 +446,8 @@ def _hung_reads(worker):
     from kvtier_offload.store import JobOutcome
 
     calls: list[tuple[int, list[bytes]]] = []
-    worker.store.load_rows = lambda job_id, keys, rows, ids: calls.append((job_id, list(keys)))
+    worker.store.load_rows = lambda job_id, keys, rows, ids, urgent=False: calls.append(
+        (job_id, list(keys)))
 
     def returns(n: int) -> None:
         job_id, keys = calls[n]
