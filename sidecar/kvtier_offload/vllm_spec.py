@@ -1,4 +1,4 @@
-"""kvtier as vLLM's own OffloadingSpec (vLLM 0.32 API): GPU (or CPU) KV blocks <-> files.
+"""kvtier as vLLM's own OffloadingSpec (vLLM 0.32 and 0.33 API): GPU (or CPU) KV blocks <-> files.
 
 For deployments without a CPU tier. The manager runs in the scheduler and answers
 lookups from the shared volume; the worker runs beside the model and copies KV pages
@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.store import BlockStore, StoreConfig
@@ -112,6 +113,22 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
 
 
 LOADED_REQUESTS = 4096  # requests whose loaded keys the manager remembers
+
+# kvtier's labels on vLLM 0.33's vllm:kv_offload_config_info (one series, fixed for the
+# process): where the files are, which fingerprint directory (rank 0's, in GPU-direct mode)
+# and the block file format. The same names in both modes; never vLLM's reserved "tier".
+CONFIG_INFO_KEYS = ("kvtier_root", "kvtier_fingerprint", "kvtier_file_format")
+
+
+def config_info(store: BlockStore) -> dict[str, str | int]:
+    """kvtier's facts for vllm:kv_offload_config_info (see CONFIG_INFO_KEYS)."""
+    return {"kvtier_root": store.layout.root, "kvtier_fingerprint": store.layout.fingerprint,
+            "kvtier_file_format": FILE_FORMAT}
+
+
+def sync_load_budget(extra_config: Any) -> int:
+    """kv_connector_extra_config.sync_load_budget_bytes (vLLM 0.33+; 0: no sync loads)."""
+    return int(extra_config.get("sync_load_budget_bytes", 0) or 0)
 
 
 class KvtierOffloadingManager(OffloadingManager):
@@ -191,6 +208,11 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def config_info(self) -> list[dict[str, str | int]]:
+        """vLLM 0.33+ (read once by the scheduler; 0.32 never asks): the labels
+        KvtierOffloadingSpec.config_info_keys() declares, rank 0's files."""
+        return [config_info(self.store)]
+
     def shutdown(self) -> None:
         for store in self.stores:
             store.close()
@@ -223,6 +245,7 @@ class _Piece:
     run: Run | None = None
     fence: Any = None
     abandoned: bool = False  # load: its job gave up on it; the read may still return
+    expedited: bool = False  # load: vLLM waits for it within the engine step
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
@@ -370,9 +393,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                              "block (is block_size set in kv_connector_extra_config?)")
         return files.keys, block_ids
 
-    def _pieces(self, job: _Job, keys: list[bytes], block_ids: np.ndarray) -> list[_Piece]:
+    def _pieces(self, job: _Job, keys: list[bytes], block_ids: np.ndarray,
+                expedited: bool = False) -> list[_Piece]:
         step = self.piece_rows
-        return [_Piece(job, keys[i:i + step], block_ids[i:i + step])
+        return [_Piece(job, keys[i:i + step], block_ids[i:i + step], expedited=expedited)
                 for i in range(0, len(keys), step)]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
@@ -392,13 +416,28 @@ class KvtierOffloadingWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
+                    dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        """expedited (vLLM 0.33+, kv_connector_extra_config.sync_load_budget_bytes): a
+        "sync" load of a request that runs in this very step, which vLLM waits for
+        (wait()) before the forward pass. Its pieces go ahead of every queued load that is
+        not expedited, and its reads ahead of the volume's queued reads; it fails like any
+        load (its unverified blocks are reported by take_load_errors()), and, like any,
+        it is given up after load_timeout."""
         keys, block_ids = self._pairs(src_spec, dst_spec)
         job = _Job(job_id, "load", len(keys))
         self._loads[job_id] = job
-        for piece in self._pieces(job, keys, block_ids):
-            job.queued += 1
-            self._load_waiting.append(piece)
+        pieces = self._pieces(job, keys, block_ids, expedited)
+        job.queued += len(pieces)
+        if expedited:
+            # Expedited pieces are always the head of the queue (a split piece's rest
+            # goes back to the head): these go after them, in order.
+            at = 0
+            while at < len(self._load_waiting) and self._load_waiting[at].expedited:
+                at += 1
+            for n, piece in enumerate(pieces):
+                self._load_waiting.insert(at + n, piece)
+        else:
+            self._load_waiting.extend(pieces)
         self._progress()
         self._maybe_finish(job)
         return True
@@ -438,8 +477,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return
             self._load_waiting.popleft()
             if run.rows < len(piece.keys):
-                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:])
-                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows])
+                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:],
+                              expedited=piece.expedited)
+                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows],
+                               expedited=piece.expedited)
                 piece.job.queued += 1
                 self._load_waiting.appendleft(rest)
             piece.job.queued -= 1
@@ -449,7 +490,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             io_id = next(self._io_ids)
             self._io[io_id] = piece
             self.store.load_rows(io_id, piece.keys, self.arena.row_array,
-                                 self.arena.row_ids(run))
+                                 self.arena.row_ids(run), urgent=piece.expedited)
 
     def _staged(self, piece: _Piece, ok: list[bool]) -> None:
         """A load piece's files are read: copy the verified blocks to the GPU."""
@@ -596,7 +637,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._store_waiting = kept
         self._progress(block_on=job_ids)
         while job_ids & self._loads.keys():
-            time.sleep(0.001)  # reads in flight (only vLLM's reset_cache waits on loads)
+            # reads in flight: vLLM waits on loads at reset_cache and, from 0.33, on the
+            # expedited (sync) loads of the step
+            time.sleep(0.001)
             self._progress(block_on=job_ids)
 
     def shutdown(self) -> None:
@@ -618,7 +661,21 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         if "root_dir" not in self.extra_config:
             raise ValueError("KvtierOffloadingSpec needs root_dir in kv_connector_extra_config")
+        if sync_load_budget(self.extra_config) > 0 and len(config.groups) != 1:
+            # A failed sync load can only be handed back to vLLM as GPU block ids, and
+            # with several KV cache groups vLLM cannot map block ids to requests: the
+            # request would run on the blocks that were not loaded (wrong tokens).
+            raise ValueError(
+                "kvtier: sync_load_budget_bytes > 0 (vLLM's in-step \"sync\" loads) needs "
+                f"a model with one KV cache group; this one has {len(config.groups)} "
+                "(a hybrid model: vLLM cannot recompute a failed sync load by block id "
+                "there). Remove sync_load_budget_bytes from kv_connector_extra_config.")
         self._manager: KvtierOffloadingManager | None = None
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33+: the labels the manager's config_info() fills."""
+        return CONFIG_INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

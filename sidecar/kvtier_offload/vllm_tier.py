@@ -1,4 +1,4 @@
-"""kvtier as a secondary tier of vLLM's TieringOffloadingSpec (vLLM 0.28+, built on 0.32).
+"""kvtier as a secondary tier of vLLM's TieringOffloadingSpec (vLLM 0.28+, built on 0.32, 0.33).
 
 vLLM's own CPU tier moves KV between GPU and pinned CPU memory; this tier moves whole
 CPU-tier rows between that memory and block files, in the scheduler process. Loaded by
@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.metrics import DEFINITIONS, Metrics, Recorder
 
@@ -50,8 +51,19 @@ def fingerprint_config(spec: Any, row_bytes: int) -> dict[str, Any]:
     return {**vllm_fields(spec.config), "mode": "tier", "row_bytes": row_bytes}
 
 
+# kvtier's labels on vLLM 0.33's vllm:kv_offload_config_info, on this tier's series (vLLM
+# adds the reserved "tier" label itself): where the files are, their fingerprint directory
+# and the block file format. The same names as GPU-direct mode (vllm_spec.CONFIG_INFO_KEYS,
+# kept apart so that this module never imports torch).
+CONFIG_INFO_KEYS = ("kvtier_root", "kvtier_fingerprint", "kvtier_file_format")
+
+
 class KvtierStorageTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
+    # vLLM 0.33 may poll a tier from its own thread between steps if the tier opts in.
+    # Not this one: the block store (its lookup cache, job table and finished queue) is
+    # only ever entered from vLLM's scheduler thread. (0.32 has no such thread.)
+    tolerates_off_thread_polling: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -103,6 +115,17 @@ class KvtierStorageTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33+ (0.32 never asks): the labels config_info() fills."""
+        return CONFIG_INFO_KEYS
+
+    def config_info(self) -> dict[str, str | int]:
+        """vLLM 0.33+: this tier's facts on vllm:kv_offload_config_info (read once)."""
+        layout = self.store.layout
+        return {"kvtier_root": layout.root, "kvtier_fingerprint": layout.fingerprint,
+                "kvtier_file_format": FILE_FORMAT}
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         present = self.store.lookup(bytes(key))

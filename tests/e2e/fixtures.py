@@ -48,8 +48,9 @@ def plain_tokens(model) -> dict[int, list[int]]:
     baseline prompt and the recompute cases' prompts, from one engine process (each
     prompt is generated on its own, greedy, so one run answers for all)."""
     from tests.e2e.recompute import CASES
+    from tests.e2e.sync_load import SEEDS
 
-    seeds = [PLAIN_SEED, *CASES.values()]
+    seeds = [PLAIN_SEED, *CASES.values(), *SEEDS.values()]
     run = engine(model, seeds=",".join(map(str, seeds)))
     assert run["cached"] == 0  # the first prompt of a fresh engine: nothing cached
     return dict(zip(seeds, run["all_tokens"], strict=True))

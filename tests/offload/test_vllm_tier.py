@@ -252,3 +252,35 @@ def test_the_api_server_reads_our_definitions_without_the_block_store():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["kvtier_offload_bytes", "False", "False"]
+
+
+def test_the_tier_publishes_kvtier_facts_on_vllms_config_info(tier, tmp_path):
+    """vLLM 0.33's vllm:kv_offload_config_info: one series per tier; kvtier's gets where
+    its files are, their fingerprint and file format (vLLM adds the reserved "tier")."""
+    from kvtier_offload.fileformat import VERSION
+    from tests.offload.worker_cases import config_info_series
+
+    keys = KvtierStorageTier.config_info_keys({})
+    assert "tier" not in keys
+    facts = {"kvtier_root": str(tmp_path), "kvtier_fingerprint": tier.store.layout.fingerprint,
+             "kvtier_file_format": VERSION}
+    assert tier.config_info() == facts and tuple(facts) == keys
+    if not hasattr(TieringOffloadingSpec, "config_info_keys"):
+        return  # vLLM 0.32: nothing asks
+    manager = tier._test_manager
+    rendered = kv_transfer_config(parse_tpc(tpc_doc()))["kv_connector_extra_config"]
+    declared = TieringOffloadingSpec.config_info_keys(rendered)
+    assert set(keys) <= set(declared) and "tier" in declared
+    published = config_info_series(rendered, manager.config_info())
+    ours = [dict(labels) for labels in published if dict(labels)["kvtier_root"]]
+    assert len(ours) == 1 and published[tuple(sorted(ours[0].items()))] == 1
+    assert ours[0]["tier"] == "1:KvtierStorageTier"
+    assert {k: ours[0][k] for k in keys} == {k: str(v) for k, v in facts.items()}
+
+
+def test_the_tier_is_only_ever_polled_from_the_scheduler_thread(tier):
+    """vLLM 0.33 polls tiers that opt in from a thread of its own; the block store
+    assumes the scheduler thread, so kvtier says no, explicitly (not by inheritance)."""
+    assert KvtierStorageTier.__dict__.get("tolerates_off_thread_polling") is False
+    polled = getattr(tier._test_manager, "_polled_tiers", None)  # 0.33's manager
+    assert polled is None or tier not in polled

@@ -446,7 +446,8 @@ def _hung_reads(worker):
     from kvtier_offload.store import JobOutcome
 
     calls: list[tuple[int, list[bytes]]] = []
-    worker.store.load_rows = lambda job_id, keys, rows, ids: calls.append((job_id, list(keys)))
+    worker.store.load_rows = lambda job_id, keys, rows, ids, urgent=False: calls.append(
+        (job_id, list(keys)))
 
     def returns(n: int) -> None:
         job_id, keys = calls[n]
@@ -502,4 +503,84 @@ def test_a_pieces_device_scratch_stays_within_max_device_temp_bytes(tmp_path):
                          max_staging_bytes=1 << 24)
     assert worker.piece_rows * 4 <= worker.arena.num_rows  # the temp bound is what binds
     assert 0 < 2 * worker.piece_rows * page <= 8 * page
+    worker.shutdown()
+
+
+# ------------------------------------------------- vLLM 0.33: expedited (sync) loads
+
+
+def test_an_expedited_load_is_accepted_waited_for_and_loaded(tmp_path):
+    """vLLM 0.33 calls submit_load(..., expedited=True) for a sync load, then wait() on
+    it before the step's forward pass (0.32 never passes expedited: keyword only)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches)
+    keys = keys_for([3, 4])
+    _store_and_finish(worker, 1, [3, 4], keys)
+    assert worker.submit_load(2, KvtierLoadStoreSpec(keys),
+                              GPULoadStoreSpec([20, 21], [2], [0]), expedited=True)
+    worker.wait({2})  # returns once the pages are in the KV cache
+    for t in caches.tensors:
+        assert torch.equal(t.tensor[[20, 21]], t.tensor[[3, 4]])
+    (result,) = worker.get_finished()
+    assert (result.job_id, result.success) == (2, True)
+    worker.shutdown()
+
+
+def test_expedited_loads_go_ahead_of_queued_loads_and_their_reads_ahead_of_reads(tmp_path):
+    """Loads waiting for staging: expedited ones are started first (in their order),
+    then the others (in theirs), and their reads are queued as urgent."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches)
+    blocks = [1, 2, 3, 4]
+    _store_and_finish(worker, 1, blocks, keys_for(blocks))
+    take = worker.arena.take
+    worker.arena.take = lambda rows: None  # no staging for now: every load queues
+    for job_id, block, expedited in ((10, 1, False), (11, 2, False), (12, 3, True),
+                                     (13, 4, True)):
+        worker.submit_load(job_id, KvtierLoadStoreSpec(keys_for([block])),
+                           GPULoadStoreSpec([block + 10], [1], [0]), expedited=expedited)
+    assert [p.job.job_id for p in worker._load_waiting] == [12, 13, 10, 11]
+    started = []
+    load_rows = worker.store.load_rows
+
+    def record(io_id, keys, rows, row_ids, urgent=False):
+        started.append((keys[0], urgent))
+        load_rows(io_id, keys, rows, row_ids, urgent=urgent)
+
+    worker.store.load_rows = record
+    worker.arena.take = take
+    assert finish(worker, {10, 11, 12, 13}) == {10: True, 11: True, 12: True, 13: True}
+    assert started == [(keys_for([3])[0], True), (keys_for([4])[0], True),
+                       (keys_for([1])[0], False), (keys_for([2])[0], False)]
+    for t in caches.tensors:
+        assert torch.equal(t.tensor[[11, 12, 13, 14]], t.tensor[blocks])
+    worker.shutdown()
+
+
+def test_a_failed_expedited_load_is_reported_like_any_load(tmp_path):
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    worker = make_worker(tmp_path, caches)
+    keys = keys_for([3, 4])
+    _store_and_finish(worker, 1, [3, 4], keys)
+    os.truncate(worker.store.layout.path(keys[1]), 100)
+    worker.submit_load(2, KvtierLoadStoreSpec(keys), GPULoadStoreSpec([20, 21], [2], [0]),
+                       expedited=True)
+    worker.wait({2})
+    (result,) = worker.get_finished()
+    assert (result.job_id, result.success) == (2, False)
+    assert worker.take_load_errors() == {2: [21]}
     worker.shutdown()

@@ -123,3 +123,32 @@ def round_trip(tmp_path, layout: str, dtype: torch.dtype, device: str,
         assert torch.equal(storage_bytes(t.tensor).cpu(), want.cpu()), \
             "round trip is not bit-identical, or bytes outside the pages changed"
     worker.shutdown()
+
+
+def config_info_series(extra_config: dict, series: list[dict]) -> dict[tuple, float] | None:
+    """What vLLM 0.33's API server publishes as vllm:kv_offload_config_info for these
+    manager config_info() series, declared from extra_config's spec (the scheduler's stats
+    payload, through OffloadPromMetrics): {sorted label items: value}. None on a vLLM
+    without the metric (0.32)."""
+    import functools
+    import pickle
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import metrics
+
+    if not hasattr(metrics, "KV_OFFLOAD_CONFIG_INFO"):
+        return None
+    stats = metrics.OffloadingConnectorStats()
+    stats.set_info(series)
+    payload = pickle.loads(pickle.dumps(stats.data))  # as it crosses processes
+    registry = CollectorRegistry()
+    kinds = {kind: functools.partial(kind, registry=registry)
+             for kind in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config=extra_config))
+    prom = metrics.OffloadPromMetrics(config, kinds, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(metrics.OffloadingConnectorStats(data=payload).data, 0)
+    return {tuple(sorted(sample.labels.items())): sample.value
+            for family in registry.collect() if family.name == metrics.KV_OFFLOAD_CONFIG_INFO
+            for sample in family.samples}
