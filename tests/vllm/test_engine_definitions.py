@@ -28,7 +28,9 @@ from tests.helpers import ROOT, tpc_doc
 SOURCES = Path(os.environ.get("KVTIER_ENGINE_SOURCES", ROOT / ".venv" / "engine-sources"))
 TPU_SOURCE = SOURCES / "tpu-inference"
 KVBM_SOURCE = SOURCES / "kvbm"
-NEEDS = "run `make test` (it unpacks tpu-inference and kvbm into .venv/engine-sources)"
+LMCACHE_SOURCE = SOURCES / "lmcache"
+NEEDS = ("run `make test` (it unpacks tpu-inference, kvbm and lmcache into "
+         ".venv/engine-sources)")
 
 TPU = tpc_doc({"engine": "vllm-tpu", "storage": None,
                "tpu": {"pageSize": 128, "hosts": 2, "stagingSize": "32000Mi"},
@@ -36,6 +38,8 @@ TPU = tpc_doc({"engine": "vllm-tpu", "storage": None,
 MOONCAKE = tpc_doc({"connector": "mooncake-store", "storage": None,
                     "mooncake": {"configMapName": "mooncake-config"}})
 KVBM = tpc_doc({"connector": "kvbm", "storage": None, "cpu": {"size": "100G"}})
+LMCACHE = tpc_doc({"connector": "lmcache", "cpu": {"size": "100G"},
+                   "storage": {"maxSizePerReplica": "500G", "pvc": {"size": "1000G"}}})
 
 
 def _classes(path: Path) -> dict[str, list[str]]:
@@ -112,6 +116,41 @@ def test_kvbm_connector_module_path_and_env_exist_in_the_kvbm_package():
     assert vllm_kvbm.ENV_CPU_CACHE_GB.encode() in core  # the name KVBM's Rust core reads
 
 
+# ------------------------------------------------------------------- LMCache
+
+
+def _lmcache_bytes(source: str, setting: str, value: str) -> int:
+    """What LMCache allocates for an env value of one of its size settings, computed with
+    the formula its own allocator source applies (`int(<config>.<setting> * FACTOR)`)."""
+    import re
+
+    match = re.search(rf"int\(\w+(?:\.config)?\.{setting} \* ([0-9*e. ]+)\)", source)
+    assert match, f"LMCache's allocator no longer sizes {setting} as int(size * factor)"
+    factor = eval(match.group(1), {"__builtins__": {}})  # e.g. 1024**3; digits only
+    return int(float(value) * factor)
+
+
+@pytest.mark.parametrize(("setting", "env", "backend", "expected"), [
+    ("max_local_cpu_size", "LMCACHE_MAX_LOCAL_CPU_SIZE", "local_cpu_backend.py", 100 * 10**9),
+    ("max_local_disk_size", "LMCACHE_MAX_LOCAL_DISK_SIZE", "local_disk_backend.py",
+     500 * 10**9),
+])
+def test_lmcache_allocates_no_more_than_the_pod_was_sized_for(setting, env, backend,
+                                                              expected):
+    # The pool LMCache pins (CPU) or fills (disk) from the value kvtier renders, read the
+    # way LMCache reads it, never exceeds the bytes the CR asked for (the pod's memory
+    # request covers exactly those), and falls short by at most 1/1000 GiB.
+    root = LMCACHE_SOURCE / "lmcache" / "v1"
+    if not root.exists():
+        pytest.skip(NEEDS)
+    config = (root / "config.py").read_text()
+    assert f'"{setting}": {{"type": float' in config  # the env value is parsed as a float
+    source = (root / "storage_backend" / backend).read_text()
+    rendered = connector_env(parse_tpc(LMCACHE))[env]
+    allocated = _lmcache_bytes(source, setting, rendered)
+    assert expected - 2**30 // 1000 <= allocated <= expected, (rendered, allocated)
+
+
 # ------------------------------------------------------------------ Mooncake
 
 
@@ -136,3 +175,27 @@ def test_rendered_configs_are_plain_json():
     for doc in (TPU, MOONCAKE, KVBM):
         config = kv_transfer_config(parse_tpc(doc))
         assert json.loads(json.dumps(config)) == config
+
+
+# -------------------------------------------------------------------- SGLang
+
+
+def test_sglang_reads_hicache_size_as_decimal_gb():
+    # SGLang's host pool takes host_size * 1e9 bytes (--hicache-size): the whole decimal GB
+    # kvtier renders per rank, read back that way, never exceed the rank's share.
+    import importlib.util
+    import re
+
+    from kvtier_operator.engines.sglang import hicache
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is installed (without dependencies) by `make test`")
+    base = Path(spec.origin).parent / "srt" / "mem_cache" / "pool_host" / "base.py"
+    match = re.search(r"int\(host_size \* ([0-9e.*]+) // self\.size_per_token\)",
+                      base.read_text())
+    assert match, "SGLang's host pool no longer sizes itself as host_size * factor"
+    factor = eval(match.group(1), {"__builtins__": {}})
+    cpu_bytes, ranks = 400 * 2**30, 2
+    per_rank = hicache.hicache_size_gb(cpu_bytes, ranks)
+    assert per_rank * factor * ranks <= cpu_bytes < (per_rank + 1) * factor * ranks

@@ -7,6 +7,7 @@ volume); nothing is guessed.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -120,15 +121,27 @@ def kvbm_cpu_gb(spec: TieredPrefixCacheSpec) -> int:
     return spec.cpu_bytes // GB
 
 
+def lmcache_gib(n_bytes: int) -> float:
+    """An LMCache size setting for at most n_bytes. LMCache's sizes are GiB, whatever its
+    docs say ("GB"): its allocators take int(size * 1024**3) bytes (0.5.6,
+    local_cpu_backend.py and local_disk_backend.py; tests/vllm/test_engine_definitions.py
+    reads the formula from the package). Floored to 1/1000 GiB, so the pool never exceeds
+    the bytes the pod's memory request was sized for."""
+    return math.floor(n_bytes * 1000 / GIB) / 1000
+
+
 def lmcache_cpu_gb(spec: TieredPrefixCacheSpec) -> float:
-    return round(spec.cpu_bytes / GB, 3)
+    """LMCACHE_MAX_LOCAL_CPU_SIZE: cpu.size in GiB (see lmcache_gib)."""
+    return lmcache_gib(spec.cpu_bytes)
 
 
 def lmcache_disk_gb(spec: TieredPrefixCacheSpec) -> float:
+    """LMCACHE_MAX_LOCAL_DISK_SIZE: storage.maxSizePerReplica, else the claim's size at
+    the high watermark, in GiB (see lmcache_gib)."""
     storage = spec.storage
     assert storage is not None
     if storage.max_size_per_replica is not None:
-        return round(quantity_bytes(storage.max_size_per_replica) / GB, 3)
+        return lmcache_gib(quantity_bytes(storage.max_size_per_replica))
     assert storage.pvc is not None  # the model rejects existingClaim without a cap
     cap = quantity_bytes(storage.pvc.size) * spec.eviction.high_watermark // 100
-    return round(cap / GB, 3)
+    return lmcache_gib(cap)
