@@ -29,9 +29,7 @@ import functools
 import logging
 import os
 import stat
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -216,10 +214,8 @@ class BlockStore:
         self._logged: set[str] = set()
         self._closed = False
         self._pool = pool if pool is not None else _sized_pool(config, memory_speed)
-        # Through self at each call: tests/offload/test_vllm_worker.py replaces _stat_key
-        # on the instance (a hung volume); it moves to a seam with the vLLM adapters' tests.
         self._background = BackgroundLookup(
-            lambda key: self._stat_key(key), config.lookup_threads, config.lookup_queue_limit,
+            self._stat_key, config.lookup_threads, config.lookup_queue_limit,
             min(config.lookup_pending_seconds, config.lookup_hit_ttl / 2))
 
     # ------------------------------------------------ settings and parts' state
@@ -252,16 +248,6 @@ class BlockStore:
     def jobs(self) -> JobTable:
         """Jobs submitted and the outcomes of finished ones not yet taken."""
         return self._jobs
-
-    # Kept for tests/offload/test_vllm_worker.py (the vLLM adapters' tests, changed on
-    # another branch): use jobs.lock and jobs.outcomes instead.
-    @property
-    def _lock(self) -> threading.Lock:
-        return self._jobs.lock
-
-    @property
-    def _finished(self) -> deque[JobOutcome]:
-        return self._jobs.outcomes
 
     # ---------------------------------------------------------------- helpers
 

@@ -138,7 +138,7 @@ def test_partial_load_reports_the_loaded_prefix(tier):
 
 
 def test_failed_store_is_no_event_and_no_success(tier, monkeypatch):
-    monkeypatch.setattr(tier.store, "_free_space_ok", lambda size: False)
+    monkeypatch.setattr(tier.store.admission, "free_space_ok", lambda size: False)
     tier.submit_store(job(1, [b"\x31" * 36], [0]))
     assert not wait_jobs(tier, 1)[1].success
     assert list(tier.take_events()) == []

@@ -42,20 +42,27 @@ def test_spec_refuses_multi_block_chunks(tmp_path):
                                kv_caches("per-layer", DTYPES["bf16"], "cpu"), 2)
 
 
+def _sample(name: str, **labels: str) -> float:
+    """A kvtier_offload_* figure as Prometheus would scrape it (0 where absent)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def _hung_stats(store):
     """Every stat of the volume hangs (a hung NFS mount) until the returned event is
     set; the returned list names the threads that tried."""
     import threading
 
     release, callers = threading.Event(), []
-    real = store._stat_key
+    real = store.files.lstat
 
-    def hung(key):
+    def hung(path):
         callers.append(threading.current_thread().name)
         release.wait()
-        return real(key)
+        return real(path)
 
-    store._stat_key = hung
+    store.files.lstat = hung  # every lookup's stat goes through the file layer
     return release, callers
 
 
@@ -112,13 +119,13 @@ def test_a_store_of_a_file_already_there_is_skipped_not_rewritten(tmp_path):
     path = first.layout.path(key)
     inode = os.stat(path).st_ino
     second = BlockStore(StoreConfig(root=root, fingerprint="0" * 16))  # cache empty
-    exists = second.metrics.operations.labels("store", "exists")
-    before = exists._value.get()
+    before = _sample("kvtier_offload_operations_total", direction="store", outcome="exists")
     second.store(2, [(key, memoryview(bytearray(b"b" * 4096)))])
     second.drain()
     (outcome,) = second.finished()
     assert outcome.ok == [True] and os.stat(path).st_ino == inode
-    assert exists._value.get() == before + 1
+    assert _sample("kvtier_offload_operations_total", direction="store",
+                   outcome="exists") == before + 1
     first.close()
     second.close()
 
@@ -332,14 +339,17 @@ def test_submit_and_poll_pass_indices_from_staging_without_blocking(tmp_path):
 
 
 def _slow_writes(worker, seconds: float) -> None:
-    store = worker.store
-    original = store._store_task
+    """Every write task the store hands its I/O pool takes `seconds` longer."""
+    pool = worker.store.pool
+    submit = pool.submit_write
 
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return original(*args, **kwargs)
+    def slow(task):
+        def late():
+            time.sleep(seconds)
+            task()
+        submit(late)
 
-    store._store_task = slow
+    pool.submit_write = slow
 
 
 def test_stores_are_dropped_not_waited_for_when_staging_is_full(tmp_path):
@@ -353,6 +363,7 @@ def test_stores_are_dropped_not_waited_for_when_staging_is_full(tmp_path):
     caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=96)
     worker = make_worker(tmp_path, caches, max_staging_bytes=8 * _page(caches), threads=1)
     _slow_writes(worker, 0.3)
+    dropped_before = _sample("kvtier_offload_dropped_writes_total", reason="staging-full")
     slowest = 0.0
     for job in range(20):
         blocks = [4 * job + i for i in range(4)]
@@ -366,8 +377,8 @@ def test_stores_are_dropped_not_waited_for_when_staging_is_full(tmp_path):
     slowest = max(slowest, time.monotonic() - start)
     assert slowest < 0.1, f"submit/poll/wait blocked for {slowest * 1e3:.0f} ms"
     assert worker.stores_dropped > 0
-    dropped = worker.store.metrics.dropped.labels("staging-full")
-    assert dropped._value.get() == worker.stores_dropped if hasattr(dropped, "_value") else True
+    assert _sample("kvtier_offload_dropped_writes_total",
+                   reason="staging-full") - dropped_before == worker.stores_dropped
     assert finish(worker, set(range(20)), timeout=60) == {j: True for j in range(20)}
     written = len(list(tmp_path.rglob("*.kvb")))
     assert written == 80 - worker.stores_dropped
@@ -451,8 +462,9 @@ def _hung_reads(worker):
 
     def returns(n: int) -> None:
         job_id, keys = calls[n]
-        with worker.store._lock:
-            worker.store._finished.append(JobOutcome(job_id, "load", keys, [True] * len(keys)))
+        jobs = worker.store.jobs
+        with jobs.lock:
+            jobs.outcomes.append(JobOutcome(job_id, "load", keys, [True] * len(keys)))
 
     return calls, returns
 
