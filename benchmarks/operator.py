@@ -20,7 +20,7 @@ from kmock import KubernetesEmulator, Server
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
-from tests.integration.harness import CTX, TPC, gateway_for, operator, setup
+from tests.operator.integration.harness import CTX, TPC, gateway_for, operator, setup
 
 COUNT = int(os.environ.get("KVTIER_BENCH_CACHES", "100"))
 

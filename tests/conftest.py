@@ -38,9 +38,10 @@ def needs_glusterfs(item: pytest.Item) -> bool:
 # By folder here, by module below where a fast folder holds a slow module, and by
 # @pytest.mark.slow on single tests in fast modules. Every folder is one or the other, so
 # a new or moved folder must be classified here (a test run says so).
-FAST_DIRS = ("tests/unit/", "tests/webhook/", "tests/offload/", "tests/evictor/")
-SLOW_DIRS = ("tests/integration/", "tests/chart/", "tests/e2e/", "tests/netfs/",
-             "tests/vllm/", "tests/gpu/", "tests/s3/")
+FAST_DIRS = ("tests/operator/unit/", "tests/operator/webhook/", "tests/offload/", "tests/evictor/",
+             "tests/docs/")
+SLOW_DIRS = ("tests/operator/integration/", "tests/chart/", "tests/e2e/", "tests/netfs/",
+             "tests/operator/engines/", "tests/offload/gpu/", "tests/s3/")
 SLOW_MODULES = (
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_tier.py",
@@ -49,8 +50,8 @@ SLOW_MODULES = (
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
     "tests/offload/test_syscalls.py",  # strace in a child per test
     "tests/offload/test_cli.py",  # the init container's install, in subprocesses
-    "tests/unit/test_cli.py",  # the kvtier CLI, in subprocesses
-    "tests/unit/test_sglang_parser.py",  # imports SGLang (about 10 s)
+    "tests/operator/unit/test_cli.py",  # the kvtier CLI, in subprocesses
+    "tests/operator/unit/test_sglang_parser.py",  # imports SGLang (about 10 s)
 )
 SLOW_PATHS = SLOW_DIRS + SLOW_MODULES
 

@@ -15,8 +15,8 @@ from kvtier_operator.render.pod import config_hash
 from kvtier_operator.validation import parse_tpc
 from tests.chart.test_chart import CHART, HELM
 from tests.helpers import tpc_doc
-from tests.integration.harness import CTX, TPC, obj, operator, setup, until
-from tests.integration.test_rollout import finish, restarted, seed_world
+from tests.operator.integration.harness import CTX, TPC, obj, operator, setup, until
+from tests.operator.integration.test_rollout import finish, restarted, seed_world
 
 pytestmark = [pytest.mark.helm, pytest.mark.timeout(180),
               pytest.mark.skipif(not HELM.exists(), reason="run `make test` to unpack helm")]

@@ -19,7 +19,7 @@ SMALL = ["--block-bytes", str(64 << 10), "--total-bytes", str(1 << 20)]
 @pytest.fixture(autouse=True)
 def unpinned(request, monkeypatch):
     """Arenas in plain memory: asking for CUDA imports torch (seconds a worker); pinning
-    has its own test (slow), and tests/gpu runs the probe on a GPU."""
+    has its own test (slow), and tests/offload/gpu runs the probe on a GPU."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setattr(probe, "cuda_available", lambda: False)
 

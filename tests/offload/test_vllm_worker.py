@@ -1,5 +1,5 @@
 """kvtier's OffloadingSpec worker on CPU tensors: bit-identical round trips for vLLM's
-canonical layouts and KV dtypes (tests/gpu repeats these on CUDA), and the contract the
+canonical layouts and KV dtypes (tests/offload/gpu repeats these on CUDA), and the contract the
 CUDA path keeps, checked where it can be without a GPU: staging allocated once and
 bounded, jobs of any size chunked through it, submit and poll never waiting for the
 volume or calling a blocking torch op, stores dropped (not waited for) under write

@@ -124,9 +124,9 @@ def kvbm_cpu_gb(spec: TieredPrefixCacheSpec) -> int:
 def lmcache_gib(n_bytes: int) -> float:
     """An LMCache size setting for at most n_bytes. LMCache's sizes are GiB, whatever its
     docs say ("GB"): its allocators take int(size * 1024**3) bytes (0.5.6,
-    local_cpu_backend.py and local_disk_backend.py; tests/vllm/test_engine_definitions.py
-    reads the formula from the package). Floored to 1/1000 GiB, so the pool never exceeds
-    the bytes the pod's memory request was sized for."""
+    local_cpu_backend.py and local_disk_backend.py; a test in tests/operator/engines reads
+    the formula from the package). Floored to 1/1000 GiB, so the pool never exceeds the
+    bytes the pod's memory request was sized for."""
     return math.floor(n_bytes * 1000 / GIB) / 1000
 
 

@@ -13,7 +13,7 @@ from kvtier_operator import names
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
-from tests.integration.harness import (
+from tests.operator.integration.harness import (
     CTX,
     TPC,
     condition,

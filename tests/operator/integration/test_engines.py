@@ -13,7 +13,7 @@ from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import EXAMPLES, example
-from tests.integration.harness import CTX, TPC, condition, obj, operator, setup, until
+from tests.operator.integration.harness import CTX, TPC, condition, obj, operator, setup, until
 
 pytestmark = pytest.mark.timeout(120)
 NS = "llm-d"

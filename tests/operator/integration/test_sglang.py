@@ -8,8 +8,8 @@ import pytest
 
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.validation import parse_tpc
-from tests.integration.harness import CTX, condition, operator, setup, until
-from tests.integration.test_operator import cache, configmap, cronjob, pvc, seed, tpc_obj
+from tests.operator.integration.harness import CTX, condition, operator, setup, until
+from tests.operator.integration.test_operator import cache, configmap, cronjob, pvc, seed, tpc_obj
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = {"engine": "sglang", "sglang": {"pageSize": 64}, "cpu": {"size": "400Gi"},

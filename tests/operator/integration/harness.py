@@ -1,7 +1,7 @@
 """Real kopf + the real official client + real HTTP, against kmock's in-process API server.
 
 kmock has no schema validation, defaulting, SSA, label selectors, garbage collection or
-controllers; tests/unit covers those rules (owner references, field ownership) directly.
+controllers; tests/operator/unit covers those rules (owner references, field ownership) directly.
 """
 
 from __future__ import annotations

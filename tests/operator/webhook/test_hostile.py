@@ -31,7 +31,14 @@ from kvtier_operator.webhook import (
     tls_context,
 )
 from tests.helpers import tpc_doc
-from tests.webhook.test_webhook import CTX, Webhook, free_port, load_example, minimal_pod, review
+from tests.operator.webhook.test_webhook import (
+    CTX,
+    Webhook,
+    free_port,
+    load_example,
+    minimal_pod,
+    review,
+)
 
 
 async def start(tmp_path, lanes=None):

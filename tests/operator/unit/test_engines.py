@@ -20,7 +20,7 @@ from kvtier_operator.render.pod import inject, inject_workload
 from kvtier_operator.render.router import MODEL_SERVERS_FILE, PLUGINS_FILE
 from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import EXAMPLES, ROOT, example, tpc_doc
-from tests.unit.test_crd import _failed_messages, _schema_defaults
+from tests.operator.unit.test_crd import _failed_messages, _schema_defaults
 
 CTX = RenderContext()
 TPU = {"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128},

@@ -16,7 +16,7 @@ from kvtier_operator import names
 from kvtier_operator.engines.sglang.hicache import ENV_STORAGE_DIR
 from kvtier_operator.webhook import MUTATE_PATH
 from tests.helpers import EXAMPLES
-from tests.webhook.test_webhook import K8S, apply, review, webhook  # noqa: F401
+from tests.operator.webhook.test_webhook import K8S, apply, review, webhook  # noqa: F401
 
 CACHE = yaml.safe_load((EXAMPLES / "sglang-hicache.yaml").read_text())
 LABELS = {"llm-d.ai/engine-type": "sglang"}

@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from tests.helpers import tpc_doc
-from tests.integration.harness import TPC, gateway_for, obj, operator, setup, until
+from tests.operator.integration.harness import TPC, gateway_for, obj, operator, setup, until
 
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"

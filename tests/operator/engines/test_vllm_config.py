@@ -10,7 +10,7 @@ from kvtier_operator.engines.vllm.launch import kv_transfer_json as _json
 from kvtier_operator.render.connector import kv_transfer_config
 from kvtier_operator.validation import parse_tpc
 from tests.helpers import tpc_doc
-from tests.unit.test_inject_hostile import stubs  # noqa: F401 (a fixture)
+from tests.operator.unit.test_inject_hostile import stubs  # noqa: F401 (a fixture)
 
 
 def kv_transfer_json(t):
@@ -113,7 +113,7 @@ def test_injected_pods_start_under_vllms_own_serve_parser(serve_parser, stubs, t
     when --served-model-name is given) and the config is exactly what kvtier rendered."""
     from kvtier_operator.render.pod import inject
     from tests.helpers import vllm_pod
-    from tests.unit.test_inject_hostile import CTX, EXAMPLE, run_container
+    from tests.operator.unit.test_inject_hostile import CTX, EXAMPLE, run_container
 
     command, args = SERVED_NAME_SHAPES[shape]
     tpc = parse_tpc(tpc_doc())

@@ -22,7 +22,7 @@ from kvtier_operator.engines.sglang.entry import (
 )
 from kvtier_operator.engines.sglang.flags import Flag, Forbidden, add_flags, existing_flags
 from kvtier_operator.engines.vllm.entry import ENTRY_POINT as VLLM_ENTRY
-from tests.unit.test_inject_hostile import kube_expand
+from tests.operator.unit.test_inject_hostile import kube_expand
 
 FLAGS = [
     Flag("--enable-hierarchical-cache", None, "spec.cpu", aliases=("--enable-hicache",)),
