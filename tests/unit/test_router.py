@@ -241,3 +241,12 @@ def test_configmap_yaml_round_trips():
     cm = render_router_configmap(tpc({"router": PRECISE}))
     assert yaml.safe_load(cm["data"]["tiered-prefix-cache-plugins.yaml"]) == \
         endpoint_picker_config(tpc({"router": PRECISE}))
+
+
+def test_evictor_publishes_where_the_router_binds():
+    from kvtier_operator.render.cronjob import evictor_args
+
+    args = evictor_args(tpc({"router": PRECISE | {"evictionEventsEndpoint": "tcp://epp:5590"}}))
+    assert args[args.index("--events-endpoint") + 1] == "tcp://epp:5590"
+    assert args[args.index("--events-topic") + 1] == "kv@cache@Qwen/Qwen3-32B"
+    assert "--events-endpoint" not in evictor_args(tpc({"router": PRECISE}))
