@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the JSON summary here (Kubernetes: /dev/termination-log)")
     p.add_argument("--ok-exit-zero", action="store_true",
                    help=f"exit 0 for {FREED} as well as {NOTHING_TO_DO}")
+    p.add_argument("--events-endpoint", default=None,
+                   help="publish BlockRemoved (vLLM's KV-events wire format) for every "
+                   "block file deleted to this ZMQ endpoint, e.g. tcp://epp:5558 (needs "
+                   "pyzmq); failures are counted in the report, never fail the run")
+    p.add_argument("--events-topic", default="kv@kvtier@model",
+                   help="the events' ZMQ topic, kv@<identity>@<model>")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -88,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kvtier-evictor: --inode-low-watermark must be below --inode-high-watermark",
               file=sys.stderr)
         return EXIT_CODES[ERROR]
+    publisher = None
+    if args.events_endpoint and not args.dry_run:
+        from kvtier_evictor.events import Publisher
+
+        publisher = Publisher(args.events_endpoint, args.events_topic, args.layout)
     config = Config(
         root=args.root, layout=LAYOUTS[args.layout],
         high_watermark=args.high_watermark, low_watermark=args.low_watermark,
@@ -97,12 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         dir_guard_seconds=args.dir_guard_seconds, capacity_bytes=args.capacity_bytes,
         threads=args.threads, dry_run=args.dry_run, lock_stale_seconds=args.lock_stale_seconds,
         max_candidates=max(args.max_candidates, 1),
+        on_removed=publisher.removed if publisher is not None else None,
     )
+
     if not os.path.isdir(args.root):
         report = EvictionReport(outcome=ERROR, layout=args.layout, errors=1,
                                 error_messages=[f"{args.root} is not a directory"])
     else:
         report = Run(config).execute()
+    if publisher is not None:
+        publisher.close()
+        report.events_published = publisher.published
+        report.events_dropped = publisher.dropped
+        report.events_ignored = publisher.ignored
+        report.events_problem = publisher.problem
     print(report.to_json())
     if args.termination_log:
         write_termination_log(args.termination_log, report)

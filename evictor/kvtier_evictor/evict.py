@@ -54,6 +54,8 @@ class Config:
     # passes, scanning again for each, so its memory never grows with the tree.
     max_candidates: int = 500_000
     max_passes: int = 64
+    # Called with each deleted block file's path, from the deleting threads (events.py).
+    on_removed: Callable[[str], None] | None = None
 
 
 def _iso(ts: float) -> str:
@@ -446,6 +448,8 @@ class Run:
             if self._unlink(dir_fd, name, cand.path):
                 freed.files += 1
                 freed.file_bytes += cand.size
+                if self.cfg.on_removed is not None:
+                    self.cfg.on_removed(cand.path)
         if freed.files and self._tally.removed_from(directory, freed.files):
             freed.add(self._remove_up(directory, chain))
         return freed

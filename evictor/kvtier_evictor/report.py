@@ -80,6 +80,13 @@ class EvictionReport:
     # Where another run's lock stopped this one: seconds since that lock was refreshed
     # (the operator tells a lock held across runs from one run overlapping another).
     lock_held_seconds: float | None = None
+    # BlockRemoved for the deleted block files (--events-endpoint): hashes handed to the
+    # router's socket, dropped (no connection, a full queue, no pyzmq), names ignored
+    # (outside the layout's hash mapping), and the first problem.
+    events_published: int = 0
+    events_dropped: int = 0
+    events_ignored: int = 0
+    events_problem: str = ""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ SHM_MOUNT = "/dev/shm"
 # The model-server env var holding the --kv-transfer-config JSON (a shell script passes
 # it on as "$KVTIER_KV_TRANSFER_CONFIG", so the JSON never becomes shell text).
 ENV_KV_TRANSFER_CONFIG = "KVTIER_KV_TRANSFER_CONFIG"
+ENV_KV_EVENTS_CONFIG = "KVTIER_KV_EVENTS_CONFIG"  # precise router scoring (vLLM)
 
 
 def claim_name(tpc: TieredPrefixCache) -> str | None:

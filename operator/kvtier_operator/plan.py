@@ -34,6 +34,7 @@ class PodPlan:
     tpc: TieredPrefixCache
     adapter: Adapter
     launch_options: Any  # what the engine's launcher passes (vLLM: the kv-transfer dict)
+    kv_events: dict[str, Any] | None  # precise router scoring: the engine's KV-events config
     server_env: Mapping[str, str]  # by name, as the process sees them (unescaped)
     worker_env: Mapping[str, str]  # a multi-host worker's (no server, no options)
     claim: str | None  # the shared tier's PVC
@@ -77,14 +78,16 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
     spec = tpc.spec
     adapter = adapter_for(spec)
     launch_options = adapter.launch_options(tpc)
-    server_env = adapter.env(tpc, PodRole.server) | adapter.launcher.options_env(launch_options)
+    kv_events = adapter.kv_events_config(tpc)
+    server_env = (adapter.env(tpc, PodRole.server) | adapter.launcher.options_env(launch_options)
+                  | adapter.launcher.events_env(kv_events))
     worker_env = adapter.env(tpc, PodRole.worker)
     claim = names.claim_name(tpc)
     mount_path = spec.storage.mount_path if spec.storage else None
     extra = tuple(adapter.extra_volumes(tpc))
     image = ctx.offload_image if adapter.needs_offload_package(spec) else None
     return PodPlan(
-        tpc=tpc, adapter=adapter, launch_options=launch_options,
+        tpc=tpc, adapter=adapter, launch_options=launch_options, kv_events=kv_events,
         server_env=MappingProxyType(server_env), worker_env=MappingProxyType(worker_env),
         claim=claim, mount_path=mount_path, extra_volumes=extra, offload_image=image,
         image_pull_policy=ctx.image_pull_policy, container_name=spec.container_name,

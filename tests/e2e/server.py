@@ -23,8 +23,8 @@ START_SECONDS = 420  # a cold start on a busy 2-core machine
 
 
 def kv_transfer_json(root: Path, **extra: object) -> str:
-    from kvtier_operator.validation import parse_tpc
     from kvtier_operator.render.connector import kv_transfer_config
+    from kvtier_operator.validation import parse_tpc
     from tests.helpers import example
 
     rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))

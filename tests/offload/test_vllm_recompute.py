@@ -317,8 +317,8 @@ def test_gpu_direct_publishes_kvtier_facts_on_vllms_config_info(tp2, tmp_path):
     the file format (0.32 never asks)."""
     from kvtier_offload.fileformat import VERSION
     from kvtier_offload.vllm_spec import KvtierOffloadingSpec
-    from kvtier_operator.validation import parse_tpc
     from kvtier_operator.render.connector import kv_transfer_config
+    from kvtier_operator.validation import parse_tpc
     from tests.e2e.engine import GPU_DIRECT_EXAMPLE
     from tests.helpers import example
     from tests.offload.worker_cases import config_info_series

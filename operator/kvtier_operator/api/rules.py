@@ -87,6 +87,10 @@ STORAGE_CLASS_NAME = dns_subdomain("StorageClass name")
 CONFIG_MAP_NAME = dns_subdomain("ConfigMap name")
 NAMESPACE = dns_label("namespace")
 SERVICE_NAME = dns_label("Service name")
+# Where the evictor publishes KV events (a ZMQ endpoint it connects to): tcp, a host name
+# or IPv4 address, a port. It reaches the evictor's argv (never a shell).
+ZMQ_ENDPOINT = Rule(r"^tcp://[A-Za-z0-9]([-.A-Za-z0-9]{0,251}[A-Za-z0-9])?:[0-9]{1,5}$", 272,
+                    "must be tcp://<host>:<port>, e.g. tcp://epp.llm-d.svc:5557")
 CONFIG_MAP_KEY = Rule("^[-._a-zA-Z0-9]+$", 253,
                       "must be a ConfigMap key: letters, digits, dashes, dots and underscores")
 # kvtier names a CronJob <name>-evictor; Kubernetes caps CronJob names at 52 characters.

@@ -28,6 +28,31 @@ from kvtier_operator.engines.sizing import PodSizing
 
 ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
 
+# A prefix hit's worth on each tier relative to a GPU hit, from the tiers' speeds: a GPU
+# hit costs nothing; a CPU-tier hit one PCIe copy (about 25 GB/s against HBM's 2-3 TB/s,
+# still far cheaper than recomputing: 0.8, the llm-d router's own CPU default); a hit on
+# the shared volume a network read at a tenth of that (2-5 GB/s per pod) before the same
+# copy: 0.4 (the router's own default for llm-d's shared-storage tier). Overridden per
+# tier by spec.router.tierWeights. docs/modes.md "Routing" documents the table.
+DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.4}
+
+
+@dataclass(frozen=True)
+class RouterTier:
+    """One tier as the router's precise scorer sees it: kvtier's tier name (gpu, cpu,
+    storage: the keys of spec.router.tierWeights), the medium the engine puts in its KV
+    events, and the weight of a hit there."""
+
+    tier: str
+    medium: str
+    weight: float
+
+    @property
+    def router_name(self) -> str:
+        """The name kvCacheBackendConfigs matches: the router lowercases each event's
+        medium before it looks up the weight (llm-d-router pkg/kvevents/pool.go)."""
+        return self.medium.lower()
+
 
 class PodRole(StrEnum):
     server = "server"  # runs the engine's server: gets its options, env and sizing
@@ -92,6 +117,14 @@ class Launcher(ABC):
     @abstractmethod
     def add_options(self, container: dict[str, Any], options: Any) -> str:
         """Pass options to the server in place; returns why not (changing nothing)."""
+
+    def events_env(self, config: dict[str, Any] | None) -> dict[str, str]:
+        """Env vars that carry the KV-events config (Adapter.kv_events_config)."""
+        return {}
+
+    def add_events(self, container: dict[str, Any], config: dict[str, Any]) -> str:
+        """Make the server publish KV events; returns why not (changing nothing)."""
+        return f"kvtier cannot pass a KV-events config to {self.label}"
 
 
 class Adapter(ABC):
@@ -174,6 +207,37 @@ class Adapter(ABC):
         """The router's CPU-tier LRU capacity per replica, in router blocks; None: no
         CPU-tier scorer."""
         return spec.cpu_bytes // (spec.model.bytes_per_token * self.router_block_size(spec))
+
+    # The KV-event medium of each tier the engine has (vLLM: GPU, CPU, STORAGE), in order
+    # from the fastest; the adapter says which tiers a spec configures (router_tier_names).
+    router_media: ClassVar[dict[str, str]] = {"gpu": "GPU", "cpu": "CPU", "storage": "STORAGE"}
+    # Whether kvtier can make the engine publish KV events (spec.router.scoring precise).
+    publishes_kv_events: ClassVar[bool] = False
+
+    def router_tier_names(self, spec: TieredPrefixCacheSpec) -> list[str]:
+        """The tiers this spec configures, fastest first."""
+        names = ["gpu"]
+        if spec.cpu is not None:
+            names.append("cpu")
+        if spec.storage is not None:
+            names.append("storage")
+        return names
+
+    def router_tiers(self, spec: TieredPrefixCacheSpec) -> list[RouterTier]:
+        """Every tier the spec configures, with its event medium and weight (the spec's
+        override, else DEFAULT_TIER_WEIGHTS): none is left for the router to score 0."""
+        overrides = spec.router.tier_weights
+        out = []
+        for name in self.router_tier_names(spec):
+            weight = getattr(overrides, name)
+            out.append(RouterTier(name, self.router_media[name],
+                                  DEFAULT_TIER_WEIGHTS[name] if weight is None else weight))
+        return out
+
+    def kv_events_config(self, tpc: TieredPrefixCache) -> dict[str, Any] | None:
+        """The engine's KV-events config for precise scoring (vLLM: --kv-events-config);
+        None: nothing to pass."""
+        return None
 
     def router_server_labels(self, tpc: TieredPrefixCache) -> dict[str, str] | None:
         """Labels the router must add to its model-server selector (e.g. leaders only on

@@ -41,6 +41,13 @@ def evictor_args(tpc: TieredPrefixCache) -> list[str]:
     if ev.capacity == CapacitySource.ClaimSize:
         if storage.pvc is not None:
             args += ["--capacity-bytes", str(quantity_bytes(storage.pvc.size))]
+    endpoint = tpc.spec.router.eviction_events_endpoint
+    if tpc.spec.router.enabled and endpoint is not None:
+        # The router binds this port (render/router.py); layouts without a hash mapping
+        # count their names as ignored. The topic's identity is the
+        # cache's, as on the engines' own events (engines/vllm/gpu.kv_events_config).
+        args += ["--events-endpoint", endpoint,
+                 "--events-topic", f"kv@{tpc.metadata.name}@{tpc.spec.model.name}"]
     return args
 
 

@@ -250,6 +250,8 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
             )
         else:
             problem = adapter.launcher.add_options(container, plan.launch_options)
+            if not problem and plan.kv_events is not None:
+                problem = adapter.launcher.add_events(container, plan.kv_events)
             if problem:
                 conflicts.append(problem)
     _merge_env(container, plan.env(role), conflicts)

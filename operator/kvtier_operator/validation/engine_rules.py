@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier_operator.api.v1alpha1 import TieredPrefixCacheSpec
+from kvtier_operator.api.v1alpha1 import RouterScoring, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.engines.registry import (
     ADAPTERS,
@@ -36,12 +36,20 @@ def check_spec(spec: TieredPrefixCacheSpec) -> None:
         raise ValueError(
             f"spec.storage: {adapter.describe()} has no shared file tier kvtier manages "
             f"({adapter.title}); remove spec.storage, or use {allowed_pairs_text(with_storage)}")
+    if spec.router.scoring == RouterScoring.precise and not adapter.publishes_kv_events:
+        raise ValueError(
+            f"spec.router.scoring precise: kvtier cannot make {adapter.describe()} publish "
+            f"KV events; use scoring approximate, or {allowed_pairs_text(_publishers())}")
     adapter.validate(spec)
     backend = spec.storage.backend if spec.storage is not None else None
     if backend is not None and backend not in adapter.storage_backends:
         allowed = ", ".join(str(b) for b in adapter.storage_backends) or "none (leave it unset)"
         raise ValueError(f"spec.storage.backend {backend} is not possible with "
                          f"{adapter.describe()}; allowed: {allowed}")
+
+
+def _publishers() -> list[Adapter]:
+    return [a for a in ADAPTERS if a.publishes_kv_events]
 
 
 # ------------------------------------------------------------------- CEL
@@ -76,6 +84,12 @@ def cel_rules() -> list[dict[str, str]]:
                    "allowed: " + "; ".join(
                        f"{a.engine}/{a.connector}: {', '.join(map(str, a.storage_backends))}"
                        for a in ADAPTERS if a.storage_backends) + "; others: leave it unset",
+    })
+    rules.append({
+        "rule": "!has(self.router) || !has(self.router.scoring) || "
+                f"self.router.scoring != 'precise' || {_PAIR} in {_pairs(_publishers())}",
+        "message": "spec.router.scoring precise needs an engine kvtier makes publish KV "
+                   f"events: {allowed_pairs_text(_publishers())}; use approximate",
     })
     for block in SETTINGS_BLOCKS:
         owners = [a for a in ADAPTERS if a.settings_block == block]

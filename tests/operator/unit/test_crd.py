@@ -150,13 +150,15 @@ def test_cel_rules_exist_for_cross_field_checks():
     # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
     # the transition rules keeping engine, connector and storage backend fixed; a deprecated
-    # name and its new one not both given (storage, tpu)
-    assert len(cross_field) == 20
+    # name and its new one not both given (storage, tpu); precise router scoring only
+    # where the engine publishes KV events
+    assert len(cross_field) == 21
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
                            "spec.storage.mountPath", "spec.eviction.schedule",
                            "spec.router.configMapName", "spec.mooncake.configMapName",
+                           "spec.router.evictionEventsEndpoint",
                            "spec.mooncake.configKey", "spec.mooncake.masterService.name",
                            "spec.mooncake.masterService.namespace"}
 

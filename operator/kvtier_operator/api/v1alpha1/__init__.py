@@ -39,6 +39,9 @@ from kvtier_operator.api.v1alpha1.resource import (
 )
 from kvtier_operator.api.v1alpha1.router import (
     Router,
+    RouterApiVersion,
+    RouterScoring,
+    TierWeights,
 )
 from kvtier_operator.api.v1alpha1.selector import (
     MAX_SELECTOR_TERMS,
@@ -121,6 +124,8 @@ __all__ = [
     "Quantity",
     "RolloutPolicy",
     "Router",
+    "RouterApiVersion",
+    "RouterScoring",
     "Schedule",
     "ServiceName",
     "ServiceRef",
@@ -130,6 +135,7 @@ __all__ = [
     "StorageBackend",
     "StorageClassName",
     "StorageTier",
+    "TierWeights",
     "TieredPrefixCache",
     "TieredPrefixCacheSpec",
     "TieredPrefixCacheStatus",

@@ -56,6 +56,8 @@ MountPath: TypeAlias = Annotated[
     str, AfterValidator(rules.MOUNT_PATH.check), AfterValidator(rules.MOUNT_PATH_PLACE.check),
     rule_schema(rules.MOUNT_PATH, rules.MOUNT_PATH_PLACE)]
 Schedule: TypeAlias = Annotated[str, AfterValidator(SCHEDULE.check), rule_schema(SCHEDULE)]
+ZmqEndpoint: TypeAlias = Annotated[
+    str, AfterValidator(rules.ZMQ_ENDPOINT.check), rule_schema(rules.ZMQ_ENDPOINT)]
 ConfigMapName: TypeAlias = Annotated[
     str, AfterValidator(rules.CONFIG_MAP_NAME.check), rule_schema(rules.CONFIG_MAP_NAME)]
 ContainerName: TypeAlias = Annotated[

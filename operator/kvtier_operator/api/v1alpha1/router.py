@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import Field
 
-from kvtier_operator.api.v1alpha1.fields import ApiModel, ConfigMapName
+from kvtier_operator.api.v1alpha1.fields import ApiModel, ConfigMapName, ZmqEndpoint
+
+
+class RouterApiVersion(StrEnum):
+    """The router config's dialect. Both carry the same plugins and scheduling profiles;
+    llm-d.ai/v1 is the current one, llm-d.ai/v1alpha1 what older routers load."""
+
+    v1 = "llm-d.ai/v1"
+    v1alpha1 = "llm-d.ai/v1alpha1"
+
+
+class RouterScoring(StrEnum):
+    # The router guesses each pod's prefix cache from what it routed (per-tier LRUs).
+    approximate = "approximate"
+    # The engines publish KV events; the router indexes what each pod really holds.
+    precise = "precise"
+
+
+class TierWeights(ApiModel):
+    """A hit's worth on each tier relative to a GPU hit (1.0); unset: the engine's default
+    from the tier's speed (docs/modes.md, "Routing")."""
+
+    gpu: float | None = Field(default=None, ge=0, le=1,
+                              description="A GPU (HBM) hit; default 1.0.")
+    cpu: float | None = Field(default=None, ge=0, le=1,
+                              description="A CPU-tier hit; default 0.8.")
+    storage: float | None = Field(default=None, ge=0, le=1,
+                                  description="A hit on the shared volume; default 0.4.")
 
 
 class Router(ApiModel):
@@ -23,4 +52,30 @@ class Router(ApiModel):
         description="Tokens per router prefix block (the EPP's blockSizeTokens); the CPU "
         "lruCapacityPerServer is computed with it. Default: the engine's (16 for vLLM).",
     )
-
+    api_version: RouterApiVersion = Field(
+        default=RouterApiVersion.v1,
+        description="The router config's apiVersion: llm-d.ai/v1 (current routers) or "
+        "llm-d.ai/v1alpha1 (older ones).",
+    )
+    scoring: RouterScoring = Field(
+        default=RouterScoring.approximate,
+        description="approximate: the router estimates each pod's cache per tier from its "
+        "own routing. precise: the pods publish KV events (kvtier adds --kv-events-config) "
+        "and the router indexes them, every tier weighted.",
+    )
+    tier_weights: TierWeights = Field(
+        default_factory=TierWeights,
+        description="Per-tier weight of a prefix hit (0..1, GPU 1.0) in precise scoring; "
+        "unset tiers take the engine's defaults from their speed.",
+    )
+    kv_events_port: int = Field(
+        default=5557, ge=1024, le=65535,
+        description="precise: the port each pod publishes KV events on (the router "
+        "connects to <pod IP>:<port>).",
+    )
+    eviction_events_endpoint: ZmqEndpoint | None = Field(
+        default=None,
+        description="Where the evictor publishes BlockRemoved for every block file it "
+        "deletes, as tcp://<host>:<port> (a router-side KV-events endpoint, e.g. its "
+        "Service); unset: the evictor publishes nothing. Failures never block eviction.",
+    )

@@ -100,6 +100,9 @@ class SglangHicache(Adapter):
     launcher = SGLANG
     takes_storage: ClassVar[bool] = True
     storage_backends = ()  # SGLang's own file backend: spec.storage.backend stays unset
+    # HiCache's KV-event media: the host pool is CPU_TIER1, the file tier CPU_TIER2.
+    router_media: ClassVar[dict[str, str]] = {
+        "gpu": "GPU", "cpu": "CPU_TIER1", "storage": "CPU_TIER2"}
     settings_block: ClassVar[str | None] = "sglang"
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:

@@ -9,6 +9,7 @@ from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
     Connector,
     Engine,
+    RouterScoring,
     StorageBackend,
     TieredPrefixCache,
     TieredPrefixCacheSpec,
@@ -48,6 +49,10 @@ class VllmNative(Adapter):
         StorageBackend.kvtier, StorageBackend.vllm_fs)
     no_cpu_tier: ClassVar[NoCpuTier | None] = NoCpuTier(StorageBackend.kvtier,
                                                         NO_CPU_TIER_NEEDS_STORAGE)
+    publishes_kv_events: ClassVar[bool] = True
+
+    def kv_events_config(self, tpc: TieredPrefixCache) -> dict[str, Any] | None:
+        return kv_events_config(tpc)
 
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         s = spec.storage
@@ -80,6 +85,9 @@ class VllmNative(Adapter):
                 "n_read_threads": storage.read_threads,
                 "n_write_threads": storage.write_threads,
             }
+            if spec.router.scoring == RouterScoring.precise:
+                # The tier announces its blocks (medium STORAGE) on the engine's stream.
+                tier["enable_kv_events"] = True
             extra = {
                 "spec_name": "TieringOffloadingSpec",
                 **extra,
@@ -111,6 +119,22 @@ class VllmNative(Adapter):
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         # Without a CPU tier the files are every replica's: they do not steer routing.
         return None if spec.no_cpu_tier else super().router_cpu_blocks(spec)
+
+
+def kv_events_config(tpc: TieredPrefixCache) -> dict[str, Any] | None:
+    """vLLM's --kv-events-config for precise scoring: a ZMQ PUB bound on every pod at
+    spec.router.kvEventsPort, where the router's per-pod subscriber connects (it names
+    the pod by its address, so the topic only has to start with the router's filter
+    "kv@"; the model segment is the router's model name)."""
+    spec = tpc.spec
+    if not spec.router.enabled or spec.router.scoring != RouterScoring.precise:
+        return None
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{spec.router.kv_events_port}",
+        "topic": f"kv@{tpc.metadata.name}@{spec.model.name}",
+    }
 
 
 def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:

@@ -39,6 +39,9 @@ KV_TRANSFER_FLAG = "--kv-transfer-config"
 # stays in the env var, which the shell expands inside double quotes as one word and
 # never reads as shell text, whatever the CR says.
 SCRIPT_OPTION = f' {KV_TRANSFER_FLAG} "${names.ENV_KV_TRANSFER_CONFIG}"'
+KV_EVENTS_FLAG = "--kv-events-config"
+EVENTS_SCRIPT_OPTION = f' {KV_EVENTS_FLAG} "${names.ENV_KV_EVENTS_CONFIG}"'
+_OWN_EVENTS_FLAG = re.compile(r"--kv[-_]events[-_]config(?![A-Za-z0-9_\-])")
 _FIX = ("run vLLM in exec form (command: [vllm, serve, ...]), or start a line of the "
         "script with `exec vllm serve`")
 
@@ -61,6 +64,23 @@ def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     more argv words in exec form, or SCRIPT_OPTION after the command that starts vLLM in
     a `sh -c` script. Returns why not (and changes nothing) when kvtier cannot be certain
     where."""
+    return _add_json_flag(container, KV_TRANSFER_FLAG, names.ENV_KV_TRANSFER_CONFIG,
+                          SCRIPT_OPTION, config_json)
+
+
+def add_kv_events_config(container: dict[str, Any], config_json: str) -> str:
+    """Pass --kv-events-config the same way (after --kv-transfer-config was added); a
+    flag of the user's own is a conflict, never overridden."""
+    if _OWN_EVENTS_FLAG.search(command_line(container)):
+        return (f"container {container.get('name')!r} already passes {KV_EVENTS_FLAG}; "
+                "kvtier will not override it for precise routing: remove it, or use "
+                "spec.router.scoring approximate")
+    return _add_json_flag(container, KV_EVENTS_FLAG, names.ENV_KV_EVENTS_CONFIG,
+                          EVENTS_SCRIPT_OPTION, config_json)
+
+
+def _add_json_flag(container: dict[str, Any], flag: str, env_name: str, script_option: str,
+                   config_json: str) -> str:
     name = container.get("name")
     command = [str(p) for p in container.get("command") or []]
     args = [str(p) for p in container.get("args") or []]
@@ -69,9 +89,9 @@ def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     if len(line) > MAX_COMMAND_CHARS:
         return (f"the command line of container {name!r} is longer than the "
                 f"{MAX_COMMAND_CHARS} characters kvtier reads: shorten it")
-    if names.ENV_KV_TRANSFER_CONFIG in line:
+    if env_name in line:
         return (f"the command line of container {name!r} mentions "
-                f"{names.ENV_KV_TRANSFER_CONFIG}, which kvtier sets for vLLM: remove it")
+                f"{env_name}, which kvtier sets for vLLM: remove it")
     start = program_start(all_words)
     script_at = shell.script_index(all_words, start)
     if isinstance(script_at, str):
@@ -88,7 +108,7 @@ def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
             return (f"container {name!r}'s script has {rewritten} before vLLM's entry point, "
                     "which Kubernetes rewrites before the shell runs; write $NAME for an env "
                     f"var instead, or {_FIX}")
-        script = script[:found.insert_at] + SCRIPT_OPTION + script[found.insert_at:]
+        script = script[:found.insert_at] + script_option + script[found.insert_at:]
         if script_at < len(command):
             command[script_at] = script
             container["command"] = command
@@ -103,7 +123,7 @@ def add_kv_transfer_config(container: dict[str, Any], config_json: str) -> str:
     if "--" in all_words[end + 1:]:
         return (f"container {name!r} passes '--' to vLLM, after which kvtier's options "
                 "would be read as arguments: remove it")
-    container["args"] = [*args, KV_TRANSFER_FLAG, kube_expansion.escape(config_json)]
+    container["args"] = [*args, flag, kube_expansion.escape(config_json)]
     return ""
 
 
@@ -126,6 +146,12 @@ class VllmLauncher(Launcher):
 
     def add_options(self, container: dict[str, Any], options: Any) -> str:
         return add_kv_transfer_config(container, kv_transfer_json(options))
+
+    def events_env(self, config: dict[str, Any] | None) -> dict[str, str]:
+        return {} if config is None else {names.ENV_KV_EVENTS_CONFIG: kv_transfer_json(config)}
+
+    def add_events(self, container: dict[str, Any], config: dict[str, Any]) -> str:
+        return add_kv_events_config(container, kv_transfer_json(config))
 
 
 VLLM = VllmLauncher()
