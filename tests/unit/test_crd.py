@@ -150,8 +150,10 @@ def test_cel_rules_exist_for_cross_field_checks():
     # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
     # the transition rules keeping engine, connector and storage backend fixed; a deprecated
-    # name and its new one not both given (storage, tpu)
-    assert len(cross_field) == 20
+    # name and its new one not both given (storage, tpu); engineVersion only with a version
+    # table, not below its oldest, not below a field's feature (syncLoadBudget: 0.33);
+    # syncLoadBudget only with connector native, and not with several KV cache groups
+    assert len(cross_field) == 25
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
