@@ -20,6 +20,10 @@ VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
 INIT_CONTAINER = "kvtier-offload-install"
+# What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
+# removes the regions a killed engine left behind, then execs the engine's command
+# (sidecar/kvtier_offload/shm_sweep.py).
+SHM_SWEEP_PREFIX = ("python3", "-m", "kvtier_offload", "sweep-shm", "--")
 SITE_MOUNT = "/opt/kvtier/site"
 SHM_MOUNT = "/dev/shm"
 # The model-server env var holding the --kv-transfer-config JSON (a shell script passes

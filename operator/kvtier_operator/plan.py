@@ -44,6 +44,8 @@ class PodPlan:
     image_pull_policy: str
     container_name: str | None  # spec.containerName
     config_hash: str
+    # Run before the engine's command (the /dev/shm sweep); None: the command as it is.
+    command_prefix: tuple[str, ...] | None = None
 
     def env(self, role: PodRole) -> dict[str, str]:
         return dict(self.server_env if role == PodRole.server else self.worker_env)
@@ -54,7 +56,8 @@ class PodPlan:
 
 def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
             server_env: Mapping[str, str], claim: str | None, mount_path: str | None,
-            extra_volumes: tuple[ExtraVolume, ...], offload_image: str | None) -> str:
+            extra_volumes: tuple[ExtraVolume, ...], offload_image: str | None,
+            command_prefix: tuple[str, ...] | None) -> str:
     # The keys and values pods have carried since FORMAT_VERSION 2: a plan that writes
     # the same keeps the same hash, so running pods are not reported pending.
     doc: dict[str, Any] = {
@@ -68,6 +71,8 @@ def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
         "containerName": tpc.spec.container_name,
         **adapter.fingerprint(tpc),
     }
+    if command_prefix is not None:
+        doc["commandPrefix"] = list(command_prefix)  # absent before: other hashes stay
     if extra_volumes:
         doc["volumes"] = [[v.volume, v.mount_path, v.read_only] for v in extra_volumes]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
@@ -86,10 +91,12 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
     mount_path = spec.storage.mount_path if spec.storage else None
     extra = tuple(adapter.extra_volumes(tpc))
     image = ctx.offload_image if adapter.needs_offload_package(spec) else None
+    prefix = names.SHM_SWEEP_PREFIX if adapter.sweeps_shm(spec) else None
     return PodPlan(
         tpc=tpc, adapter=adapter, launch_options=launch_options, kv_events=kv_events,
         server_env=MappingProxyType(server_env), worker_env=MappingProxyType(worker_env),
         claim=claim, mount_path=mount_path, extra_volumes=extra, offload_image=image,
         image_pull_policy=ctx.image_pull_policy, container_name=spec.container_name,
+        command_prefix=prefix,
         config_hash=_digest(tpc, adapter, launch_options, server_env, claim, mount_path,
-                            extra, image))
+                            extra, image, prefix))

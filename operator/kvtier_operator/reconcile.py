@@ -31,6 +31,7 @@ from kvtier_operator.render.router import render_router_configmap
 from kvtier_operator.rollout import roll
 from kvtier_operator.status import (
     CONDITION_TYPES,
+    ENGINE_VERSION,
     EVICTOR_HEALTHY,
     INJECTED,
     PREREQUISITES_READY,
@@ -40,6 +41,7 @@ from kvtier_operator.status import (
     StorageObservation,
     conditions,
     count_pods,
+    engine_version_condition,
     eviction_status,
     evictor_condition,
     injected_condition,
@@ -280,7 +282,8 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
         observed_generation=generation,
         conditions=conditions({READY: ready, STORAGE_READY: storage.condition,
                                INJECTED: injected, EVICTOR_HEALTHY: evictor,
-                               PREREQUISITES_READY: prerequisites},
+                               PREREQUISITES_READY: prerequisites,
+                               ENGINE_VERSION: engine_version_condition(tpc)},
                               (body.get("status") or {}).get("conditions"), generation, now),
         config_hash=digest,
         injected_pods=counts.injected,

@@ -18,12 +18,15 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCacheStatus,
     UsageStatus,
 )
+from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
     "EvictorHealthy"
 PREREQUISITES_READY = "PrerequisitesReady"
-CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY, PREREQUISITES_READY)
+ENGINE_VERSION = "EngineVersion"
+CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY, PREREQUISITES_READY,
+                   ENGINE_VERSION)
 
 
 @dataclass
@@ -136,6 +139,22 @@ def prerequisites_condition(missing: list[str], unknown: list[str], checked: int
     if checked == 0:
         return Cond("True", "NoPrerequisites", "the engine needs nothing kvtier can check")
     return Cond("True", "Found", f"{checked} prerequisite object(s) exist")
+
+
+def engine_version_condition(tpc: TieredPrefixCache) -> Cond:
+    """Which engine version kvtier renders for (engines/<engine>/versions.py)."""
+    table = adapter_for(tpc.spec).versions
+    if table is None:
+        return Cond("True", "NotVersioned", "kvtier renders one configuration for every "
+                    "version of this engine")
+    if tpc.spec.engine_version is not None:
+        return Cond("True", "Declared", f"spec.engineVersion: kvtier renders for "
+                    f"{table.engine} {tpc.spec.engine_version}")
+    return Cond("Unknown", "EngineVersionUnknown",
+                f"spec.engineVersion is unset: kvtier renders for {table.engine} "
+                f"{table.oldest}, the oldest it supports, and checks each pod's image tag "
+                f"where it is a {table.engine} release; set spec.engineVersion to render "
+                "for a newer one")
 
 
 def ready_condition(storage: Cond, injected: Cond, evictor: Cond,

@@ -25,6 +25,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCacheSpec,
 )
 from kvtier_operator.engines.sizing import PodSizing
+from kvtier_operator.engines.versions import Asked, Version, VersionTable
 
 ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
 
@@ -144,6 +145,10 @@ class Adapter(ABC):
     # Whether spec.cpu may be left out (files straight from accelerator memory), and on
     # which backend; validation turns it into the CRD's rule.
     no_cpu_tier: ClassVar[NoCpuTier | None] = None
+    # The engine's versions and features (None: spec.engineVersion does not apply).
+    versions: ClassVar[VersionTable | None] = None
+    # Whether spec.syncLoadBudget (the engine's in-step loads) is possible.
+    sync_loads: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- the spec
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
@@ -152,6 +157,64 @@ class Adapter(ABC):
         if spec.cpu is None:
             raise ValueError(f"spec.cpu is required with {self.describe()}; add cpu.size, "
                              "e.g. 100Gi")
+
+    def asked_features(self, spec: TieredPrefixCacheSpec) -> list[Asked]:
+        """The versioned features (self.versions) this spec makes kvtier render."""
+        return []
+
+    def declared_version(self, spec: TieredPrefixCacheSpec) -> Version | None:
+        return None if spec.engine_version is None else Version.parse(spec.engine_version)
+
+    def version_refusal(self, spec: TieredPrefixCacheSpec) -> str | None:
+        """Why spec.engineVersion is refused: another engine, below the oldest supported,
+        or lacking a feature the spec asks for (naming both); None: fine."""
+        if spec.engine_version is None:
+            return None
+        table = self.versions
+        if table is None:
+            return (f"spec.engineVersion applies to engine vllm only; remove it with "
+                    f"{self.describe()}")
+        version = self.declared_version(spec)
+        assert version is not None  # the API's pattern
+        if version < table.oldest:
+            return (f"spec.engineVersion {spec.engine_version}: kvtier supports "
+                    f"{table.engine} {table.oldest} and later")
+        for a in table.missing(version, self.asked_features(spec)):
+            return (f"{a.by} asks for {a.feature.title}, which needs {table.engine} "
+                    f"{a.feature.minimum} or later ({a.feature.source}); spec.engineVersion "
+                    f"is {spec.engine_version}: raise it or remove {a.by}")
+        return None
+
+    def version_conflict(self, spec: TieredPrefixCacheSpec,
+                         container: dict[str, Any]) -> str | None:
+        """Why the engine in this container cannot have what the spec asks for: its
+        image's release tag (else spec.engineVersion, else the oldest supported version)
+        lacks a feature; None: fine."""
+        table = self.versions
+        if table is None:
+            return None
+        asked = self.asked_features(spec)
+        if not asked:
+            return None
+        image = container.get("image")
+        version = table.image_version(image)
+        source = f"image {image} says {table.engine} {version}"
+        if version is None:
+            version = self.declared_version(spec)
+            source = f"spec.engineVersion is {version}"
+        if version is None:
+            version = table.oldest
+            source = (f"the {table.engine} version is unknown (image {image} has no "
+                      f"{table.engine} release tag and spec.engineVersion is unset), so "
+                      f"kvtier assumes the oldest it supports, {version}")
+        missing = table.missing(version, asked)
+        if not missing:
+            return None
+        a = missing[0]
+        return (f"EngineVersionConflict: container {container.get('name')!r}: {a.by} asks "
+                f"for {a.feature.title}, which needs {table.engine} {a.feature.minimum} or "
+                f"later ({a.feature.source}); {source}: use such an image, set "
+                f"spec.engineVersion, or remove {a.by}")
 
     def storage_backend(self, spec: TieredPrefixCacheSpec) -> StorageBackend | None:
         if spec.storage is None or not self.storage_backends:
@@ -189,6 +252,12 @@ class Adapter(ABC):
 
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []
+
+    def sweeps_shm(self, spec: TieredPrefixCacheSpec) -> bool:
+        """Whether the engine keeps a region in /dev/shm that a killed engine leaves
+        behind: its command is then prefixed with kvtier's sweep (needs the offload
+        package)."""
+        return False
 
     def needs_offload_package(self, spec: TieredPrefixCacheSpec) -> bool:
         """Whether pods get kvtier's offload package (init container + PYTHONPATH)."""

@@ -18,7 +18,7 @@ from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import PodRole
 from kvtier_operator.engines.cmdline import kube_expansion
-from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line, prefix_program
 from kvtier_operator.plan import PodPlan, pod_plan
 
 
@@ -242,6 +242,9 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
     if group:
         conflicts.append(group)
     if role == PodRole.server:
+        version = adapter.version_conflict(plan.tpc.spec, container)
+        if version:
+            conflicts.append(version)
         own = adapter.launcher.own_offload_flags(command_line(container))
         if own:
             conflicts.append(
@@ -254,6 +257,12 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
                 problem = adapter.launcher.add_events(container, plan.kv_events)
             if problem:
                 conflicts.append(problem)
+        if plan.command_prefix is not None:
+            # After add_options, which reads the command as the user wrote it.
+            why = prefix_program(container, plan.command_prefix)
+            if why:
+                conflicts.append(f"ShmSweepUncertain: {why}; kvtier runs its /dev/shm "
+                                 "sweep before the engine and will not start it otherwise")
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container.setdefault("resources", {}), increase)

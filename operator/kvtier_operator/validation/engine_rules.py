@@ -16,6 +16,7 @@ from kvtier_operator.engines.registry import (
     adapter_for,
     allowed_pairs_text,
 )
+from kvtier_operator.engines.versions import cel_at_least
 from kvtier_operator.validation.immutable import transition_rules
 
 
@@ -40,7 +41,14 @@ def check_spec(spec: TieredPrefixCacheSpec) -> None:
         raise ValueError(
             f"spec.router.scoring precise: kvtier cannot make {adapter.describe()} publish "
             f"KV events; use scoring approximate, or {allowed_pairs_text(_publishers())}")
+    if spec.sync_load_budget is not None and not adapter.sync_loads:
+        able = [a for a in ADAPTERS if a.sync_loads]
+        raise ValueError(f"spec.syncLoadBudget applies only to {allowed_pairs_text(able)}; "
+                         f"remove it with {adapter.describe()}")
     adapter.validate(spec)
+    refusal = adapter.version_refusal(spec)
+    if refusal:
+        raise ValueError(refusal)
     backend = spec.storage.backend if spec.storage is not None else None
     if backend is not None and backend not in adapter.storage_backends:
         allowed = ", ".join(str(b) for b in adapter.storage_backends) or "none (leave it unset)"
@@ -91,6 +99,7 @@ def cel_rules() -> list[dict[str, str]]:
         "message": "spec.router.scoring precise needs an engine kvtier makes publish KV "
                    f"events: {allowed_pairs_text(_publishers())}; use approximate",
     })
+    rules += version_rules()
     for block in SETTINGS_BLOCKS:
         owners = [a for a in ADAPTERS if a.settings_block == block]
         rules.append({
@@ -98,6 +107,44 @@ def cel_rules() -> list[dict[str, str]]:
             "message": f"spec.{block} is required with, and applies only to, "
                        f"{allowed_pairs_text(owners)}",
         })
+    return rules
+
+
+def version_rules() -> list[dict[str, str]]:
+    """spec.engineVersion: only where the adapter has a version table, not below its
+    oldest, and not below a feature's minimum where a field asks for that feature;
+    spec.syncLoadBudget only where the adapter takes it."""
+    versioned = [a for a in ADAPTERS if a.versions is not None]
+    rules = [{
+        "rule": f"!has(self.engineVersion) || {_PAIR} in {_pairs(versioned)}",
+        "message": "spec.engineVersion applies only to "
+                   f"{allowed_pairs_text(versioned)}; remove it",
+    }]
+    able = [a for a in ADAPTERS if a.sync_loads]
+    rules.append({
+        "rule": f"!has(self.syncLoadBudget) || {_PAIR} in {_pairs(able)}",
+        "message": f"spec.syncLoadBudget applies only to {allowed_pairs_text(able)}; remove it",
+    })
+    tables = {a.versions for a in versioned if a.versions is not None}
+    for table in sorted(tables, key=lambda t: t.engine):
+        owners = [a for a in versioned if a.versions == table]
+        rules.append({
+            "rule": f"!has(self.engineVersion) || !({_PAIR} in {_pairs(owners)}) || "
+                    + cel_at_least("self.engineVersion", table.oldest),
+            "message": f"spec.engineVersion: kvtier supports {table.engine} {table.oldest} "
+                       "and later",
+        })
+        for f in table.features:
+            if f.cel_asked is None or f.minimum <= table.oldest:
+                continue  # every version kvtier accepts has it
+            rules.append({
+                "rule": f"!has(self.engineVersion) || !({_PAIR} in {_pairs(owners)}) || "
+                        f"!({f.cel_asked}) || "
+                        + cel_at_least("self.engineVersion", f.minimum),
+                "message": f"{f.title} needs {table.engine} {f.minimum} or later "
+                           f"({f.source}); spec.engineVersion is older: raise it or remove "
+                           "the field that asks for it",
+            })
     return rules
 
 

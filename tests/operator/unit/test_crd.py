@@ -151,8 +151,10 @@ def test_cel_rules_exist_for_cross_field_checks():
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
     # the transition rules keeping engine, connector and storage backend fixed; a deprecated
     # name and its new one not both given (storage, tpu); precise router scoring only
-    # where the engine publishes KV events
-    assert len(cross_field) == 21
+    # where the engine publishes KV events; engineVersion only with a version table, not
+    # below its oldest, not below a field's feature (syncLoadBudget: 0.33); syncLoadBudget
+    # only with connector native, and not with several KV cache groups
+    assert len(cross_field) == 26
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",

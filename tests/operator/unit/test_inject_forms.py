@@ -67,15 +67,19 @@ def test_shell_form_gets_only_constant_text_and_the_env_var():
         kv_transfer_json(tpc()))
 
 
+SWEEP = list(names.SHM_SWEEP_PREFIX)
+
+
 @pytest.mark.parametrize(("command", "args", "expected_command", "expected_args"), [
-    (["tini", "--", "vllm", "serve"], ["m"], ["tini", "--", "vllm", "serve"],
+    # the /dev/shm sweep goes right before the program, past the launcher
+    (["tini", "--", "vllm", "serve"], ["m"], ["tini", "--", *SWEEP, "vllm", "serve"],
      ["m", "--kv-transfer-config", None]),
     (["tini", "--", "sh", "-c", "exec vllm serve m"], None,
-     ["tini", "--", "sh", "-c", f"exec vllm serve m {OPTION}"], None),
+     ["tini", "--", *SWEEP, "sh", "-c", f"exec vllm serve m {OPTION}"], None),
     (["env", "A=1", "python3", "-u", "-m", "vllm.entrypoints.openai.api_server"], None,
-     ["env", "A=1", "python3", "-u", "-m", "vllm.entrypoints.openai.api_server"],
+     ["env", "A=1", *SWEEP, "python3", "-u", "-m", "vllm.entrypoints.openai.api_server"],
      ["--kv-transfer-config", None]),
-    (["sh", "-e", "-c"], ["exec vllm serve m", "name"], ["sh", "-e", "-c"],
+    (["sh", "-e", "-c"], ["exec vllm serve m", "name"], [*SWEEP, "sh", "-e", "-c"],
      [f"exec vllm serve m {OPTION}", "name"]),
 ])
 def test_launchers_and_options_are_read(command, args, expected_command, expected_args):

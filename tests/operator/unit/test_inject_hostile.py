@@ -149,11 +149,16 @@ def with_mount_path(tpc: TieredPrefixCache, path: str) -> TieredPrefixCache:
 
 @pytest.fixture(scope="module")
 def stubs(tmp_path_factory) -> Path:
-    """A directory of programs that record their argv, one file per call."""
+    """A directory of programs that record their argv, one file per call; `python3 -m
+    kvtier_offload sweep-shm -- CMD...` (the /dev/shm sweep kvtier puts before vLLM with
+    a CPU tier) execs CMD, as the real one does after sweeping."""
     root = tmp_path_factory.mktemp("stubs")
+    sweep = ('if [ "$1" = -m ] && [ "$2" = kvtier_offload ] && [ "$3" = sweep-shm ] && '
+             '[ "$4" = -- ]; then shift 4; exec "$@"; fi\n')
     for program in ("vllm", "python3", "python"):
         stub = root / program
-        stub.write_text('#!/bin/sh\nprintf \'%s\\0\' "$0" "$@" > "$STUB_CALLS/call.$$"\n')
+        stub.write_text('#!/bin/sh\n' + (sweep if program.startswith("python") else "")
+                        + 'printf \'%s\\0\' "$0" "$@" > "$STUB_CALLS/call.$$"\n')
         stub.chmod(0o755)
     return root
 

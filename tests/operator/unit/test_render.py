@@ -266,11 +266,15 @@ def test_inject_list_form_field_by_field():
                    names.ANNOTATION_CONFIG_HASH: config_hash(t, CTX)}
 
 
-def test_inject_vllm_fs_has_no_init_container_or_pythonpath():
+def test_inject_vllm_fs_gets_the_offload_package_for_the_shm_sweep_only():
     t = tpc({"storage": {"backend": "vllm-fs"}})
     c_pod = inject(t, vllm_pod(), CTX).pod
-    assert "initContainers" not in c_pod["spec"]
-    assert "PYTHONPATH" not in env_of(c_pod["spec"]["containers"][0])
+    c = c_pod["spec"]["containers"][0]
+    # no kvtier tier or spec: the package is there for the /dev/shm sweep before vLLM
+    assert [i["name"] for i in c_pod["spec"]["initContainers"]] == [names.INIT_CONTAINER]
+    assert env_of(c)["PYTHONPATH"] == names.SITE_MOUNT
+    assert c["command"] == [*names.SHM_SWEEP_PREFIX, "vllm", "serve"]
+    assert "module_path" not in json.dumps(kv_flag(c))
 
 
 def test_inject_no_cpu_tier_mounts_claim_and_backend_but_no_tier():
@@ -293,7 +297,7 @@ def test_inject_no_cpu_tier_mounts_claim_and_backend_but_no_tier():
 def test_inject_cpu_only_mounts_no_claim():
     pod = inject(tpc({"storage": None}), vllm_pod(), CTX).pod
     vols = {v["name"] for v in pod["spec"]["volumes"]}
-    assert vols == {names.VOLUME_SHM}
+    assert vols == {names.VOLUME_SHM, names.VOLUME_SITE}  # the site: the /dev/shm sweep
     # no memory request or limit before: the request becomes the increase
     assert pod["spec"]["containers"][0]["resources"] == {"requests": {"memory": "103Gi"}}
 
@@ -318,7 +322,8 @@ def test_inject_shell_form_llm_d_style():
 def test_inject_shell_form_in_command():
     pod = vllm_pod(command=["bash", "-c", "pip list; vllm serve m --port 8000"], args=None)
     c = inject(tpc(), pod, CTX).pod["spec"]["containers"][0]
-    assert c["command"][2] == ('pip list; vllm serve m --port 8000 --kv-transfer-config '
+    assert c["command"][:len(names.SHM_SWEEP_PREFIX)] == list(names.SHM_SWEEP_PREFIX)
+    assert c["command"][len(names.SHM_SWEEP_PREFIX) + 2] == ('pip list; vllm serve m --port 8000 --kv-transfer-config '
                                '"$KVTIER_KV_TRANSFER_CONFIG"')
 
 
@@ -334,9 +339,10 @@ def test_inject_resizes_own_memory_shm():
     pod["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory",
                                                             "sizeLimit": "20Gi"}}]
     out = inject(tpc({"storage": None}), pod, CTX).pod
-    assert out["spec"]["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory",
-                                                                   "sizeLimit": "120Gi"}}]
-    assert [m["name"] for m in out["spec"]["containers"][0]["volumeMounts"]] == ["shm"]
+    assert out["spec"]["volumes"][0] == {"name": "shm", "emptyDir": {"medium": "Memory",
+                                                                     "sizeLimit": "120Gi"}}
+    assert [m["name"] for m in out["spec"]["containers"][0]["volumeMounts"]] == [
+        "shm", names.VOLUME_SITE]
 
 
 def test_finds_vllm_container_among_sidecars():

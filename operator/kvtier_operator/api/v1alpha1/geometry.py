@@ -43,6 +43,16 @@ class ModelGeometry(ApiModel):
         Field(default=None, description="KV-cache dtype: bfloat16, float16, float32 or fp8*.")
     )
 
+    kv_cache_groups: int = Field(
+        default=1, ge=1, le=64,
+        description="KV cache groups vLLM makes for the model: 1 for a model whose layers "
+        "all hold full-attention KV (dense, GQA, MLA); more for a hybrid model (sliding-"
+        "window or Mamba layers beside full attention; vLLM logs the groups at start). "
+        "kvBytesPerToken (or layers x kvHeads x headDim x 2 x dtype) is then the sum over "
+        "every group's layers. kvtier refuses what vLLM cannot do with several groups "
+        "(in-step loads, spec.syncLoadBudget).",
+    )
+
     @model_validator(mode="after")
     def _geometry(self) -> ModelGeometry:
         parts = {"layers": self.layers, "kvHeads": self.kv_heads, "headDim": self.head_dim,

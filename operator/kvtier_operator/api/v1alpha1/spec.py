@@ -9,8 +9,9 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
+from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1.eviction import CapacitySource, Eviction
-from kvtier_operator.api.v1alpha1.fields import ENUM_BOUND, ApiModel, ContainerName
+from kvtier_operator.api.v1alpha1.fields import ENUM_BOUND, ApiModel, ContainerName, Quantity
 from kvtier_operator.api.v1alpha1.geometry import ModelGeometry
 from kvtier_operator.api.v1alpha1.router import Router
 from kvtier_operator.api.v1alpha1.selector import LabelSelector
@@ -32,6 +33,12 @@ BLOCK_SIZE_WITH_CPU_TIER = (
     "one GPU block; remove blockSize")
 
 
+SYNC_LOADS_HYBRID = (
+    "spec.syncLoadBudget: in-step (sync) loads cannot be recomputed when they fail on a "
+    "model with several KV cache groups (spec.model.kvCacheGroups > 1): vLLM takes failed "
+    "block ids from one group only; remove syncLoadBudget")
+
+
 class RolloutPolicy(StrEnum):
     Auto = "Auto"
     Manual = "Manual"
@@ -48,6 +55,11 @@ SPEC_RULES: list[dict[str, str]] = [
         "rule": "!has(self.cpu) || !has(self.storage) || "
         "(!has(self.storage.hostStagingSize) && !has(self.storage.stagingSize))",
         "message": STAGING_WITH_CPU_TIER,
+    },
+    {
+        "rule": "!has(self.syncLoadBudget) || !has(self.model.kvCacheGroups) || "
+        "self.model.kvCacheGroups == 1",
+        "message": SYNC_LOADS_HYBRID,
     },
 ]
 
@@ -69,6 +81,16 @@ class TieredPrefixCacheSpec(ApiModel):
         "vllm-tpu (vLLM on Google TPUs with tpu-inference) or sglang (SGLang with HiCache "
         "on NVIDIA GPUs). It decides which connectors "
         "and tiers are possible (docs/architecture.md lists them).",
+    )
+    engine_version: str | None = Field(
+        default=None,
+        pattern=r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))?$",
+        max_length=32,
+        description="The engine's version in the selected pods, major.minor[.patch] (e.g. "
+        "0.33). kvtier renders for it and refuses features it lacks "
+        "(docs/support-matrix.md). Unset: each pod's image tag where it is a vLLM release "
+        "(vllm/vllm-openai:v0.33.0), else the oldest supported version (0.32), reported "
+        "by the EngineVersion condition. Engine vllm only.",
     )
     container_name: ContainerName | None = Field(
         default=None,
@@ -94,6 +116,14 @@ class TieredPrefixCacheSpec(ApiModel):
     )
     storage: StorageTier | None = Field(
         default=None, description="Optional shared-filesystem tier behind the CPU tier."
+    )
+    sync_load_budget: Quantity | None = Field(
+        default=None,
+        description="vLLM 0.33 and later, connector native: bytes each worker may load "
+        "within a scheduler step (sync_load_budget_bytes), so a short cache hit is served "
+        "in-step instead of a step later. Needs spec.engineVersion 0.33 or later (or pods "
+        "whose image says so); refused for hybrid models (model.kvCacheGroups > 1), whose "
+        "failed in-step loads vLLM cannot recompute.",
     )
     tpu: TpuSettings | None = Field(
         default=None, description="Engine vllm-tpu only (and required there): TPU page size, "
@@ -130,6 +160,12 @@ class TieredPrefixCacheSpec(ApiModel):
         return self
 
     @model_validator(mode="after")
+    def _sync_loads_one_group(self) -> TieredPrefixCacheSpec:
+        if self.sync_load_budget is not None and self.model.kv_cache_groups > 1:
+            raise ValueError(SYNC_LOADS_HYBRID)
+        return self
+
+    @model_validator(mode="after")
     def _claim_size_needs_pvc(self) -> TieredPrefixCacheSpec:
         s = self.storage
         if s is None:
@@ -154,6 +190,10 @@ class TieredPrefixCacheSpec(ApiModel):
     def no_cpu_tier(self) -> bool:
         """No CPU tier: kvtier's own offloading spec moves GPU blocks to and from files."""
         return self.cpu is None
+
+    @property
+    def sync_load_budget_bytes(self) -> int | None:
+        return None if self.sync_load_budget is None else quantity_bytes(self.sync_load_budget)
 
     @property
     def cpu_bytes(self) -> int:

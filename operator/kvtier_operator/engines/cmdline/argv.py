@@ -48,3 +48,22 @@ def program_start(words: Sequence[str]) -> int:
             i += 1
         return i
     return 0
+
+
+def prefix_program(container: dict[str, Any], prefix: Sequence[str]) -> str:
+    """Run `prefix` in front of the container's program, in exec form: the prefix goes
+    right before the program (past a launcher, which stays PID 1), so the process runs
+    `prefix... program args...`. Only where the program is in the container's own
+    `command` (without one the image's entrypoint runs, which kvtier cannot read). Returns
+    why not, changing nothing; already prefixed is fine."""
+    name = container.get("name")
+    command = [str(p) for p in container.get("command") or []]
+    start = program_start(command)
+    if start >= len(command):
+        return (f"container {name!r} sets no command (or only a launcher), so its image's "
+                "entrypoint starts the engine and kvtier cannot tell what it runs: give the "
+                "full command in exec form (command: [vllm, serve], args: [...])")
+    if command[start:start + len(prefix)] == list(prefix):
+        return ""
+    container["command"] = [*command[:start], *prefix, *command[start:]]
+    return ""

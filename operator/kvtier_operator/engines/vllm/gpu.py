@@ -17,8 +17,16 @@ from kvtier_operator.api.v1alpha1 import (
 from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.sizing import PodSizing
+from kvtier_operator.engines.versions import Asked
 from kvtier_operator.engines.vllm import sizing
 from kvtier_operator.engines.vllm.launch import VLLM
+from kvtier_operator.engines.vllm.versions import (
+    FS_TIER_EXTERNAL_EVICTOR,
+    KV_LOAD_FAILURE_POLICY,
+    OUT_OF_TREE_TIER,
+    SYNC_LOAD_BUDGET,
+    VLLM_VERSIONS,
+)
 
 # The kvtier storage tier, loaded by vLLM's TieringOffloadingSpec from the injected
 # package (sidecar/kvtier_offload/vllm_tier.py defines it).
@@ -54,6 +62,22 @@ class VllmNative(Adapter):
     def kv_events_config(self, tpc: TieredPrefixCache) -> dict[str, Any] | None:
         return kv_events_config(tpc)
 
+    versions = VLLM_VERSIONS
+    sync_loads: ClassVar[bool] = True
+
+    def asked_features(self, spec: TieredPrefixCacheSpec) -> list[Asked]:
+        asked = []
+        backend = self.storage_backend(spec)
+        if spec.no_cpu_tier:
+            asked.append(Asked(KV_LOAD_FAILURE_POLICY, "spec.cpu left out (no CPU tier)"))
+        elif backend == StorageBackend.kvtier:
+            asked.append(Asked(OUT_OF_TREE_TIER, "spec.storage.backend kvtier"))
+        if backend == StorageBackend.vllm_fs:
+            asked.append(Asked(FS_TIER_EXTERNAL_EVICTOR, "spec.storage.backend vllm-fs"))
+        if spec.sync_load_budget is not None:
+            asked.append(Asked(SYNC_LOAD_BUDGET, "spec.syncLoadBudget"))
+        return asked
+
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
         s = spec.storage
         if spec.cpu is None:
@@ -68,6 +92,14 @@ class VllmNative(Adapter):
             )
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
+        options = self._launch_options(tpc)
+        budget = tpc.spec.sync_load_budget_bytes
+        if budget is not None:
+            # 0.33 and later only: validation and the pods' version check hold that.
+            options["kv_connector_extra_config"]["sync_load_budget_bytes"] = budget
+        return options
+
+    def _launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         spec = tpc.spec
         if spec.no_cpu_tier:
             return _no_cpu_tier_config(tpc)
@@ -109,8 +141,13 @@ class VllmNative(Adapter):
             workers = sizing.worker_processes(container)
         return sizing.pod_sizing(spec, existing_shm_bytes, workers)
 
+    def sweeps_shm(self, spec: TieredPrefixCacheSpec) -> bool:
+        # vLLM's CPU tier is a region in /dev/shm (vllm_offload_*.mmap[.N]).
+        return not spec.no_cpu_tier
+
     def needs_offload_package(self, spec: TieredPrefixCacheSpec) -> bool:
-        return self.storage_backend(spec) == StorageBackend.kvtier
+        # kvtier's tier or spec, or the /dev/shm sweep run before every start.
+        return self.storage_backend(spec) == StorageBackend.kvtier or self.sweeps_shm(spec)
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         backend = self.storage_backend(spec)
@@ -160,6 +197,7 @@ def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
 
 class VllmLmcache(Adapter):
     engine = Engine.vllm
+    versions = VLLM_VERSIONS
     connector = Connector.lmcache
     title = ("vLLM on GPU with LMCacheConnectorV1: CPU tier in pinned memory, optional "
              "disk files on the shared volume")

@@ -11,6 +11,7 @@ from kvtier_operator.engines.base import Adapter, PodRole
 from kvtier_operator.engines.sizing import GB, PodSizing, pinned_process_sizing
 from kvtier_operator.engines.vllm import sizing
 from kvtier_operator.engines.vllm.launch import VLLM
+from kvtier_operator.engines.vllm.versions import VLLM_VERSIONS
 
 KVBM_CONNECTOR = "DynamoConnector"
 KVBM_CONNECTOR_MODULE = "kvbm.vllm_integration.connector"
@@ -19,6 +20,7 @@ ENV_CPU_CACHE_GB = "DYN_KVBM_CPU_CACHE_GB"
 
 class VllmKvbm(Adapter):
     engine = Engine.vllm
+    versions = VLLM_VERSIONS
     connector = Connector.kvbm
     title = ("vLLM on GPU with NVIDIA KVBM's DynamoConnector: CPU tier in pinned memory "
              "(KVBM's disk tier is per process, not shared)")

@@ -10,6 +10,7 @@ from kvtier_operator.api.v1alpha1 import Connector, Engine, TieredPrefixCache, T
 from kvtier_operator.engines.base import Adapter, ExtraVolume, PodRole, Prerequisite
 from kvtier_operator.engines.sizing import PodSizing, pinned_process_sizing
 from kvtier_operator.engines.vllm.launch import VLLM
+from kvtier_operator.engines.vllm.versions import VLLM_VERSIONS
 
 MOONCAKE_CONNECTOR = "MooncakeStoreConnector"
 CONFIG_VOLUME = "kvtier-mooncake-config"
@@ -19,6 +20,7 @@ ENV_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"  # vllm/distributed/mooncake_store.py r
 
 class VllmMooncakeStore(Adapter):
     engine = Engine.vllm
+    versions = VLLM_VERSIONS
     connector = Connector.mooncake_store
     title = ("vLLM on GPU with MooncakeStoreConnector: KV pool in a Mooncake store that "
              "evicts on its own (no shared file tier kvtier manages)")
