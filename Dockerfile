@@ -4,7 +4,7 @@ FROM python:3.11.7-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator operator
-COPY sidecar sidecar
+COPY offload offload
 COPY evictor evictor
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[operator]'
 

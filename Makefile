@@ -16,12 +16,12 @@ HELM := .tools/helm
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The offload backend's C extension: xxHash is vendored (sidecar/csrc/third_party), so it
+# The offload backend's C extension: xxHash is vendored (offload/csrc/third_party), so it
 # builds with nothing but a C compiler and the Python headers. build_ext --inplace puts it
 # beside its package, whatever the editable install did; it stays optional (no compiler:
 # the backend runs its Python path on python-xxhash), and `make test` insists on it.
-NATIVE_SRC := sidecar/csrc/kvtier_native.c sidecar/csrc/xxh3_avx2.c sidecar/csrc/xxh3_dispatch.h \
-  sidecar/csrc/third_party/xxhash/xxhash.h
+NATIVE_SRC := offload/csrc/kvtier_native.c offload/csrc/xxh3_avx2.c offload/csrc/xxh3_dispatch.h \
+  offload/csrc/third_party/xxhash/xxhash.h
 # setuptools >= 77 reads the extension and the licence files from pyproject.toml (a venv
 # may carry an older one, or none).
 BUILD_NATIVE := $(PIP) 'setuptools>=77' && \
@@ -176,7 +176,7 @@ VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' operator/kvtier_opera
 images:
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine here" >&2; exit 1; }
 	docker build -t ghcr.io/kvtier/kvtier-operator:$(VERSION) .
-	docker buildx build --platform $(OFFLOAD_PLATFORMS) -f sidecar/Dockerfile \
+	docker buildx build --platform $(OFFLOAD_PLATFORMS) -f offload/Dockerfile \
 	  -t ghcr.io/kvtier/kvtier-offload:$(VERSION) .
 
 bench: $(STAMP_DEV) glusterfs-packages

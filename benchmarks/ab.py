@@ -1,7 +1,7 @@
 """A/B of the offload backend against its version at another commit, in one process.
 
 `python -m benchmarks.ab [REF]` (REF: a git commit, default KVTIER_BENCH_AB_REF or
-`main`) loads REF's sidecar/kvtier_offload under another name (kvtier_offload_ab) next to
+`main`) loads REF's offload/kvtier_offload under another name (kvtier_offload_ab) next to
 this tree's, and moves the same blocks with both, taking turns (who goes first alternates
 by round), so drift of a shared machine hits both alike. Per block size it reports the
 median GB/s of each and the median and range of the per-round ratios (this / REF) for:
@@ -55,13 +55,16 @@ def load_ref(ref: str, into: str) -> ModuleType:
     """REF's kvtier_offload as the package kvtier_offload_ab."""
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
                          text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "-C", top, "archive", ref, "sidecar/kvtier_offload"],
+    # The backend's folder: offload/ (sidecar/ before the rename)
+    folder = next(f for f in ("offload", "sidecar") if subprocess.run(
+        ["git", "-C", top, "cat-file", "-e", f"{ref}:{f}/kvtier_offload"],
+        capture_output=True).returncode == 0)
+    archive = subprocess.run(["git", "-C", top, "archive", ref, f"{folder}/kvtier_offload"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
-    src = os.path.join(into, "sidecar", "kvtier_offload")
-    if os.path.exists(os.path.join(top, "sidecar", "csrc")) and subprocess.run(
-            ["git", "-C", top, "cat-file", "-e", f"{ref}:sidecar/csrc"],
-            capture_output=True).returncode == 0:
+    src = os.path.join(into, folder, "kvtier_offload")
+    if subprocess.run(["git", "-C", top, "cat-file", "-e", f"{ref}:{folder}/csrc"],
+                      capture_output=True).returncode == 0:
         raise SystemExit(f"{ref} has a C extension of its own: not supported here")
     dest = os.path.join(into, ALIAS)
     os.rename(src, dest)

@@ -21,7 +21,7 @@ CFLAGS="$FLAGS" LDFLAGS="-fsanitize=address,undefined" \
   { cat "$OUT/build.log" >&2; exit 1; }
 # The package as it is in the tree, with the sanitized extension in it.
 so=$(ls "$OUT"/lib/kvtier_offload/_native*.so)
-cp sidecar/kvtier_offload/*.py "$OUT/lib/kvtier_offload/"
+cp offload/kvtier_offload/*.py "$OUT/lib/kvtier_offload/"
 
 asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)

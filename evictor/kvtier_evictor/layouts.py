@@ -49,7 +49,7 @@ def _p(pattern: str) -> re.Pattern[str]:
 
 
 # kvtier backend: <root>/kvtier/v1/<fingerprint>/<k[0:2]>/<k[2:4]>/<key>.kvb, written via
-# .<key>.kvb.<random>.tmp in the same directory (sidecar/kvtier_offload/layout.py).
+# .<key>.kvb.<random>.tmp in the same directory (offload/kvtier_offload/layout.py).
 KVTIER = Layout(
     name="kvtier",
     dir_levels=(_p(r"kvtier"), _p(r"v1"), _p(r"[0-9a-f]{16}"), _p(r"[0-9a-f]{2}"),

@@ -22,7 +22,7 @@ VOLUME_SITE = "kvtier-site"
 INIT_CONTAINER = "kvtier-offload-install"
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
 # removes the regions a killed engine left behind, then execs the engine's command
-# (sidecar/kvtier_offload/shm_sweep.py).
+# (offload/kvtier_offload/shm_sweep.py).
 SHM_SWEEP_PREFIX = ("python3", "-m", "kvtier_offload", "sweep-shm", "--")
 SITE_MOUNT = "/opt/kvtier/site"
 SHM_MOUNT = "/dev/shm"

@@ -168,7 +168,7 @@ def test_dashboard_queries_only_metrics_that_exist():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z_]+)", e)}
     sources = "".join(p.read_text() for p in (ROOT / "operator").rglob("metrics.py")) + \
-        "".join(p.read_text() for p in (ROOT / "sidecar").rglob("metrics.py"))
+        "".join(p.read_text() for p in (ROOT / "offload").rglob("metrics.py"))
     declared = set(re.findall(r'"(kvtier_[a-z_]+)"', sources))
     exported = declared | {f"{m}_total" for m in declared} | {f"{m}_bucket" for m in declared}
     assert used and used <= exported, sorted(used - exported)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-DOCKERFILES = [ROOT / "Dockerfile", ROOT / "sidecar" / "Dockerfile"]
+DOCKERFILES = [ROOT / "Dockerfile", ROOT / "offload" / "Dockerfile"]
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -38,7 +38,7 @@ def source_copy(dest: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "setup.py"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, dest / name)
-    for name in ("operator", "sidecar", "evictor"):
+    for name in ("operator", "offload", "evictor"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     return dest
 
@@ -104,13 +104,13 @@ def test_operator_image_install_steps_in_a_virtualenv(tmp_path, operator_wheel):
 
 
 def test_offload_image_entrypoint_installs_the_backend(tmp_path):
-    """The sidecar image runs `python3 -m kvtier_offload install --target DIR` from a
-    copy of sidecar/kvtier_offload on PYTHONPATH (see sidecar/Dockerfile)."""
-    text = (ROOT / "sidecar" / "Dockerfile").read_text()
+    """The offload image runs `python3 -m kvtier_offload install --target DIR` from a
+    copy of offload/kvtier_offload on PYTHONPATH (see offload/Dockerfile)."""
+    text = (ROOT / "offload" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["python3", "-m", "kvtier_offload"]' in text
-    assert "COPY sidecar/kvtier_offload /opt/kvtier/src/kvtier_offload" in text
+    assert "COPY offload/kvtier_offload /opt/kvtier/src/kvtier_offload" in text
     src = tmp_path / "opt-src"
-    shutil.copytree(ROOT / "sidecar" / "kvtier_offload", src / "kvtier_offload")
+    shutil.copytree(ROOT / "offload" / "kvtier_offload", src / "kvtier_offload")
     target = tmp_path / "site"
     run = subprocess.run([sys.executable, "-m", "kvtier_offload", "install", "--target",
                           str(target)], env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin",

@@ -50,7 +50,7 @@ def in_shim(shim: Path, code: str) -> dict:
     # After what is preloaded already (scripts/sanitize.sh: the ASan runtime, which must
     # come first), on the path this process has (there: the sanitized build).
     path = os.environ.get("PYTHONPATH") or os.pathsep.join(
-        str(ROOT / p) for p in ("sidecar", "operator", "evictor"))
+        str(ROOT / p) for p in ("offload", "operator", "evictor"))
     env = dict(os.environ, KVTIER_TEST_ESTALE=".kvb",
                LD_PRELOAD=":".join(filter(None, (os.environ.get("LD_PRELOAD"), str(shim)))),
                PYTHONPATH=os.pathsep.join((str(ROOT), path)))

@@ -66,7 +66,7 @@ def traced(tmp_path: Path, body: str, *strace: str) -> tuple[object, list[str]]:
     trace's lines from the marker "go" on."""
     out = tmp_path / "trace"
     path = os.environ.get("PYTHONPATH") or os.pathsep.join(
-        str(ROOT / p) for p in ("sidecar", "operator", "evictor"))
+        str(ROOT / p) for p in ("offload", "operator", "evictor"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), path)))
     code = PROLOGUE + textwrap.dedent(body)
     run = subprocess.run(["strace", "-f", "-qq", "-o", str(out), "-e", "trace=%file",

@@ -138,7 +138,7 @@ def test_the_rendered_command_sweeps_then_execs_the_engine(tmp_path):
     (bin_dir / "vllm").chmod(0o755)
     (bin_dir / "python3").symlink_to(sys.executable)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT / "sidecar")}
+           "PYTHONPATH": str(ROOT / "offload")}
     out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                           SCENARIO, "sh", *argv], capture_output=True, text=True,
                          timeout=100, check=False, env=env)

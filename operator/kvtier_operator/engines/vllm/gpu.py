@@ -29,10 +29,10 @@ from kvtier_operator.engines.vllm.versions import (
 )
 
 # The kvtier storage tier, loaded by vLLM's TieringOffloadingSpec from the injected
-# package (sidecar/kvtier_offload/vllm_tier.py defines it).
+# package (offload/kvtier_offload/vllm_tier.py defines it).
 KVTIER_TIER_TYPE = "KvtierStorageTier"
 KVTIER_TIER_MODULE = "kvtier_offload.vllm_tier"
-# Without a CPU tier: kvtier's own OffloadingSpec (sidecar/kvtier_offload/vllm_spec.py)
+# Without a CPU tier: kvtier's own OffloadingSpec (offload/kvtier_offload/vllm_spec.py)
 # under kvtier's connector (vllm_connector.py), which reports a block it could not load
 # so that vLLM recomputes it (vLLM's own OffloadingConnector would stop the engine).
 KVTIER_SPEC_NAME = "KvtierOffloadingSpec"

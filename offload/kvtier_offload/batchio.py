@@ -4,7 +4,7 @@ The block store's Python path costs ~25 us of interpreter time per file, and eve
 syscall in it hands the GIL between I/O threads; at 256 KiB that, not the copy, bounded
 throughput. Here a batch of files (each one's path and header built from its key, open,
 pread/pwrite, XXH3-64 digest, close, rename) runs in the C extension
-(sidecar/csrc/kvtier_native.c, `kvtier_offload._native`) with the GIL released for the
+(offload/csrc/kvtier_native.c, `kvtier_offload._native`) with the GIL released for the
 whole batch, so I/O threads run truly in parallel and the interpreter is paid once per
 batch, not per block.
 

@@ -1,4 +1,4 @@
-# The C extension built from sidecar/csrc/kvtier_native.c (stable ABI); see batchio.py.
+# The C extension built from offload/csrc/kvtier_native.c (stable ABI); see batchio.py.
 # Every bytes-like argument takes any object with the buffer protocol (numpy arrays
 # included); the arrays an entry point fills must be writable, C-contiguous, and hold
 # 8-byte elements (int64 status and last use, float64 elapsed), one per block.
