@@ -24,6 +24,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
+from kvtier_operator.engines.figures import PodFigures, Samples
 from kvtier_operator.engines.sizing import PodSizing
 
 ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlockSizeTokens)
@@ -92,6 +93,15 @@ class Launcher(ABC):
     @abstractmethod
     def add_options(self, container: dict[str, Any], options: Any) -> str:
         """Pass options to the server in place; returns why not (changing nothing)."""
+
+    # Where the server serves /metrics unless the pod says otherwise (observe: a
+    # kvtier.dev/metrics-port annotation, a container port named metrics or http).
+    metrics_port: ClassVar[int | None] = None
+
+    def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
+        """The tier figures on one pod's metrics page (engines/figures.py); None: kvtier
+        reads no figures from this engine."""
+        return None
 
 
 class Adapter(ABC):
@@ -182,3 +192,8 @@ class Adapter(ABC):
 
     def prerequisites(self, tpc: TieredPrefixCache) -> list[Prerequisite]:
         return []
+
+    def offloaded_tiers(self, spec: TieredPrefixCacheSpec) -> tuple[str, ...]:
+        """The tiers below HBM the spec configures, nearest first (status.tiers)."""
+        return (("cpu",) if spec.cpu is not None else ()) + \
+            (("storage",) if spec.storage is not None else ())

@@ -19,7 +19,9 @@ from kvtier_operator.engines.cmdline.argv import (
     program_start,
     words,
 )
+from kvtier_operator.engines.figures import PodFigures, Samples
 from kvtier_operator.engines.vllm import entry as vllm_entry
+from kvtier_operator.engines.vllm import metrics
 
 # Flags that mean the user already configured KV offloading by hand.
 OWN_OFFLOAD_FLAGS = (
@@ -126,6 +128,11 @@ class VllmLauncher(Launcher):
 
     def add_options(self, container: dict[str, Any], options: Any) -> str:
         return add_kv_transfer_config(container, kv_transfer_json(options))
+
+    metrics_port: ClassVar[int | None] = 8000  # the OpenAI server's --port default
+
+    def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
+        return metrics.read(samples, offloaded)
 
 
 VLLM = VllmLauncher()
