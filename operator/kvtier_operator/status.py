@@ -268,7 +268,7 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         reasons = sorted({why for (fig, tier), why in w.missing.items()
                           if tier == name and (fig, tier) not in w.counters
                           and (fig, tier) not in w.gauges and (fig, tier) not in w.histograms})
-        if hits is not None and not prompt:
+        if not prompt:
             reasons.insert(0, no_traffic)
         status = TierStatus(
             name=name, hit_percent=_pct(hits, prompt), hit_tokens=_int(hits),

@@ -10,6 +10,7 @@ is absent stays absent: never a zero.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -52,13 +53,17 @@ MetricsReader = Callable[[Samples, tuple[str, ...]], PodFigures]
 
 
 def total(samples: Samples, name: str, **match: str) -> float | None:
-    """The sum of a sample's series whose labels match; None where there is none."""
+    """The sum of a sample's series whose labels match; None where there is none, or
+    where one of them is NaN or infinite (never a partial sum)."""
     found = [v for labels, v in samples.get(name, ()) if
              all(labels.get(k) == want for k, want in match.items())]
-    return sum(found) if found else None
+    if not found or not all(math.isfinite(v) for v in found):
+        return None
+    return sum(found)
 
 
 def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """Sums by one label's value (NaN where any summed value is not finite)."""
     out: dict[str, float] = {}
     for labels, v in samples.get(name, ()):
         key = labels.get(label, "")
@@ -67,7 +72,8 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
 
 
 def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, float], ...]:
-    """A histogram's cumulative buckets (le, count), summed over the series that match."""
+    """A histogram's cumulative buckets (le, count), summed over the series that match;
+    empty where a count is not finite."""
     out: dict[float, float] = {}
     for labels, v in samples.get(f"{name}_bucket", ()):
         if all(labels.get(k) == want for k, want in match.items()) and "le" in labels:
@@ -76,6 +82,8 @@ def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, flo
             except ValueError:
                 continue
             out[le] = out.get(le, 0.0) + v
+    if not all(math.isfinite(v) for v in out.values()):
+        return ()
     return tuple(sorted(out.items()))
 
 

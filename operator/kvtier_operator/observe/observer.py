@@ -99,9 +99,10 @@ class Observer:
         figures = cache.adapter.launcher.read_metrics(page.samples, cache.offloaded)
         if figures is None:
             return None, None
-        if page.dropped_non_finite:
+        if page.non_finite:
             figures.missing.setdefault(("non_finite", ""), (
-                f"{page.dropped_non_finite} NaN or infinite value(s) on {target.url} ignored"))
+                f"{page.non_finite} NaN or infinite value(s) on {target.url}: the figures "
+                "they are part of are left out"))
         return figures, None
 
     async def observe(self, caches: Iterable[CacheTargets], now_iso: str) -> None:

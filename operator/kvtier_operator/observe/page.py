@@ -1,6 +1,7 @@
 """One metrics page, parsed with prometheus_client's parser and bounded: the series kvtier
 reads (engines' prefixes), at most `max_series` samples looked at, NaN and infinite values
-dropped (a page that is all NaN reads as absent figures, never as zeros)."""
+kept as they are and counted: the readers' helpers (engines/figures.py) turn any sum
+that touches one into an absent figure, never into a zero or a partial sum."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PREFIXES = ("vllm:", "kvtier_offload_", "sglang:")
 class Page:
     samples: dict[str, list[tuple[Labels, float]]] = field(default_factory=dict)
     series: int = 0  # samples looked at
-    dropped_non_finite: int = 0
+    non_finite: int = 0  # NaN or infinite samples among those kept
     problem: str | None = None  # why the page could not be read (whole or in part)
 
 
@@ -38,9 +39,8 @@ def parse(text: str, max_series: int) -> Page:
                     return page
                 if not keep:
                     continue
-                if not math.isfinite(sample.value):
-                    page.dropped_non_finite += 1
-                    continue
+                if not math.isfinite(sample.value) and not sample.name.endswith("_bucket"):
+                    page.non_finite += 1
                 page.samples.setdefault(sample.name, []).append(
                     (dict(sample.labels), float(sample.value)))
     except (ValueError, TypeError, IndexError, KeyError) as err:

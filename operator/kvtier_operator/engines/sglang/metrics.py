@@ -17,6 +17,8 @@ so they are read from one rank (the smallest tp_rank label), bytes summed over r
 
 from __future__ import annotations
 
+import math
+
 from kvtier_operator.engines.figures import (
     BYTES_LOADED,
     BYTES_STORED,
@@ -62,9 +64,13 @@ def read(samples: Samples, offloaded: tuple[str, ...]) -> PodFigures:
         tier = SOURCE_TIER.get(labels.get("cache_source", ""))
         if tier is not None:
             cached[tier] = cached.get(tier, 0.0) + v
+    finite = all(math.isfinite(v) for v in cached.values())
     for tier, tokens in cached.items():
-        f.counters[(HIT_TOKENS, tier)] = tokens
-    if prompt is not None and "sglang:cached_tokens_total" in rank:
+        if math.isfinite(tokens):
+            f.counters[(HIT_TOKENS, tier)] = tokens
+        else:
+            f.missing[(HIT_TOKENS, tier)] = "a NaN or infinite sglang:cached_tokens"
+    if prompt is not None and "sglang:cached_tokens_total" in rank and finite:
         f.counters[(RECOMPUTED_TOKENS, "")] = max(0.0, prompt - sum(cached.values()))
     elif prompt is not None:
         f.missing[(RECOMPUTED_TOKENS, "")] = "sglang:cached_tokens is absent"

@@ -18,6 +18,8 @@ real API servers, tests/fixtures/metrics/).
 
 from __future__ import annotations
 
+import math
+
 from kvtier_operator.engines.figures import (
     BYTES_LOADED,
     BYTES_STORED,
@@ -84,6 +86,9 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
             if tier == OFFLOADED and not tokens:
                 continue
             f.counters[(HIT_TOKENS, tier)] = f.counters.get((HIT_TOKENS, tier), 0.0) + tokens
+        for key in [k for k, v in f.counters.items() if not math.isfinite(v)]:
+            del f.counters[key]
+            f.missing[key] = "a NaN or infinite vllm:prompt_tokens_cached_by_source"
         return
     put(f, (HIT_TOKENS, "gpu"), total(samples, "vllm:prefix_cache_hits_total"),
         "vllm:prefix_cache_hits is absent (prefix caching off?)")
