@@ -126,7 +126,7 @@ def openapi_schema() -> dict[str, Any]:
     }
 
 
-PRINTER_COLUMNS = [
+PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string",
      "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Storage", "type": "string", "jsonPath": ".status.pvc.phase"},

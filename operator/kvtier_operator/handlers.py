@@ -123,11 +123,13 @@ def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
             port = adapter.launcher.metrics_port
             targets = []
             for pod in in_ns:
-                if pod.cache != tpc.name or not pod.active or pod.opted_out:
+                # A pod without an address is not serving yet: nothing to read, no problem.
+                if pod.cache != tpc.name or not pod.active or pod.opted_out or not pod.ip:
                     continue
                 url = pod.metrics_url(port)
                 targets.append(Target(pod=pod.name, uid=pod.uid, url=url, problem=None if url
-                                      else "no pod IP yet, or no metrics port known"))
+                                      else "no metrics port known: set the pod annotation "
+                                      "kvtier.dev/metrics-port"))
             out.append(CacheTargets(ns, tpc.name, adapter, adapter.offloaded_tiers(tpc.spec),
                                     tuple(targets)))
     return out

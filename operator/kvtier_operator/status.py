@@ -250,8 +250,12 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         out.advice = Cond("Unknown", "NotObserved", out.metrics.message)
         return out
     prompt = w.counters.get(("prompt_tokens", "")) if w.pods_with_steps else None
-    no_traffic = "no prompt tokens over the window" if w.pods_with_steps else \
-        "one read so far: shares need two (the next round)"
+    if not w.pods_with_steps:
+        no_traffic = "one read so far: shares need two (the next round)"
+    elif prompt is None:
+        no_traffic = w.missing.get(("prompt_tokens", ""), "no prompt-token figure")
+    else:
+        no_traffic = "no prompt tokens over the window"
     tiers = []
     for name in _tier_names(tpc, offloaded, w):
         def counter(figure: str, tier: str = name) -> float | None:
