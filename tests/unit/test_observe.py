@@ -231,3 +231,19 @@ def test_the_helm_values_reach_the_settings_and_zero_turns_it_off():
     assert on.enabled and on.interval == 45 and on.max_series == 500 and on.timeout == 5
     assert not config_from_env({"KVTIER_OBSERVE_INTERVAL_SECONDS": "0"}).observe.enabled
     assert config_from_env({}).observe.interval == 30
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PAGES.glob("vllm-*.txt")))
+def test_parsing_only_the_families_read_gives_the_same_figures(name):
+    """The observer hands the parser only the families the reader reads (a page is
+    mostly histograms nobody reads here); the figures must not change."""
+    from kvtier_operator.engines.vllm.metrics import FAMILIES
+
+    text = (PAGES / name).read_text()
+    for offloaded in (GPU_DIRECT, ("cpu", "storage")):
+        every, only = (read(parse(text, 20000, families).samples, offloaded)
+                       for families in (None, FAMILIES))
+        assert (only.counters, only.gauges, only.histograms) == \
+            (every.counters, every.gauges, every.histograms)
+    capped = parse(text, 0, FAMILIES)  # the cap counts the whole page's series
+    assert capped.problem and "more than 0 series" in capped.problem

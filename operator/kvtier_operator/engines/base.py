@@ -97,6 +97,9 @@ class Launcher(ABC):
     # Where the server serves /metrics unless the pod says otherwise (observe: a
     # kvtier.dev/metrics-port annotation, a container port named metrics or http).
     metrics_port: ClassVar[int | None] = None
+    # The metric families read_metrics reads (names without _total, _bucket, ...): the
+    # observer parses only these lines of a page. Empty: every family.
+    metric_families: ClassVar[frozenset[str]] = frozenset()
 
     def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
         """The tier figures on one pod's metrics page (engines/figures.py); None: kvtier

@@ -93,7 +93,8 @@ class Observer:
                                         self.settings.max_bytes)
         if text is None:
             return None, problem
-        page = await asyncio.to_thread(parse, text, self.settings.max_series)
+        page = await asyncio.to_thread(parse, text, self.settings.max_series,
+                                       cache.adapter.launcher.metric_families or None)
         if page.problem is not None:
             return None, f"{target.url}: {page.problem}"
         figures = cache.adapter.launcher.read_metrics(page.samples, cache.offloaded)

