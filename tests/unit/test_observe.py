@@ -247,3 +247,36 @@ def test_parsing_only_the_families_read_gives_the_same_figures(name):
             (every.counters, every.gauges, every.histograms)
     capped = parse(text, 0, FAMILIES)  # the cap counts the whole page's series
     assert capped.problem and "more than 0 series" in capped.problem
+
+
+def test_the_observer_reads_each_cache_s_injected_serving_pods():
+    from kvtier_operator.handlers import OperatorConfig, observe_targets
+
+    config = OperatorConfig(render=CTX)
+    config.caches.observe("ADDED", body({"cpu": None}))
+
+    def pod(name, cache="cache", ip="10.0.0.1", phase="Running", annotations=None):
+        return pod_view({"metadata": {"name": name, "namespace": "ml", "uid": name,
+                                      "annotations": {"kvtier.dev/cache": cache,
+                                                      **(annotations or {})}},
+                         "status": {"phase": phase, "podIP": ip}})
+
+    pods = [pod("a"), pod("b", annotations={"kvtier.dev/metrics-port": "9400"}),
+            pod("other", cache="elsewhere"), pod("pending", ip=""),
+            pod("done", phase="Succeeded")]
+    (cache,) = observe_targets(config, lambda ns: pods if ns == "ml" else [])
+    assert (cache.namespace, cache.cache, cache.offloaded) == ("ml", "cache", ("storage",))
+    assert [(t.pod, t.url) for t in cache.pods] == [
+        ("a", "http://10.0.0.1:8000/metrics"), ("b", "http://10.0.0.1:9400/metrics")]
+
+
+def test_advice_events_are_rate_limited_per_cache_and_reason():
+    from kvtier_operator.handlers import OperatorConfig
+
+    config = OperatorConfig(render=CTX, advice_event_gap=600)
+    assert config.advice_due("ml", "cache", "LoadsFailing")
+    assert not config.advice_due("ml", "cache", "LoadsFailing")  # within 10 minutes
+    assert config.advice_due("ml", "cache", "CpuTierIdle")
+    assert config.advice_due("ml", "other", "LoadsFailing")
+    config.advice_event_gap = 0
+    assert config.advice_due("ml", "cache", "LoadsFailing")

@@ -3,8 +3,9 @@ pod of every valid TieredPrefixCache, off the reconcile path, into an in-memory
 snapshot per cache that reconcile reads (`snapshot`).
 
 Bounded: at most `concurrency` reads at once, each with its own deadline and body and
-series caps, parsing in a worker thread. A slow or hostile pod costs its own read
-only: reconciles never wait for the loop, and the other pods' reads go on.
+series caps, parsing in a thread of its own (not the default executor reconciles use).
+A slow or hostile pod costs its own read only: reconciles never wait for the loop, and
+the other pods' reads go on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -80,6 +82,8 @@ class Observer:
     _histories: dict[tuple[str, str], PodHistory] = field(default_factory=dict)
     _snapshots: dict[tuple[str, str], CacheObservation] = field(default_factory=dict)
     rounds: int = 0
+    _parser: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="kvtier-observe-parse"))
 
     def snapshot(self, namespace: str, cache: str) -> CacheObservation | None:
         return self._snapshots.get((namespace, cache))
@@ -93,8 +97,11 @@ class Observer:
                                         self.settings.max_bytes)
         if text is None:
             return None, problem
-        page = await asyncio.to_thread(parse, text, self.settings.max_series,
-                                       cache.adapter.launcher.metric_families or None)
+        # Its own thread, not the loop's default executor that reconciles run on: a
+        # thousand pages queue here, never in front of a reconcile.
+        page = await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse, text, self.settings.max_series,
+            cache.adapter.launcher.metric_families or None)
         if page.problem is not None:
             return None, f"{target.url}: {page.problem}"
         figures = cache.adapter.launcher.read_metrics(page.samples, cache.offloaded)
