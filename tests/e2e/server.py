@@ -41,17 +41,37 @@ def kv_transfer_config(root: Path) -> dict:
     return rendered | {"kv_connector_extra_config": extra}
 
 
+CPU_TIER_BYTES = 1 << 30
+
+
+def cpu_tier_config() -> dict:
+    """vLLM's OffloadingConnector with its own CPU tier, the worker a no-op
+    (tests/e2e/noop_cpu_spec.py): what the operator renders for a CPU tier alone."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "NoopCpuOffloadingSpec",
+                "spec_module_path": "tests.e2e.noop_cpu_spec",
+                "cpu_bytes_to_use": CPU_TIER_BYTES}}
+
+
 @contextlib.contextmanager
-def api_server(model: Path, root: Path, log: Path, ready_s: float = 420) -> Iterator[str]:
-    """A running API server; yields its base URL. Its output goes to log."""
+def api_server(model: Path, root: Path | None, log: Path, ready_s: float = 420,
+               kv: dict | None = None) -> Iterator[str]:
+    """A running API server (kvtier's GPU-direct spec on root, or the kv-transfer config
+    kv); yields its base URL. Its output goes to log."""
     port = free_port()
     env = {**os.environ, "PYTHONHASHSEED": "7", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+           "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get(
+               "PYTHONPATH", "")) if p)}
+    if kv is None:
+        assert root is not None
+        kv = kv_transfer_config(root)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--skip-tokenizer-init",
             "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "512",
             "--dtype", "float32", "--enable-prefix-caching", "--host", "127.0.0.1",
-            "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer_config(root))]
+            "--port", str(port), "--kv-transfer-config", json.dumps(kv)]
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -88,6 +108,13 @@ def complete(url: str, seed: int = 1, max_tokens: int = 4) -> dict:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())
+
+
+def reset_hbm_prefix_cache(url: str) -> None:
+    """Forget the HBM prefix cache (not the connector's): the next repeat misses HBM."""
+    request = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as r:
+        r.read()
 
 
 def metrics_page(url: str, settle_s: float = 0.0) -> str:

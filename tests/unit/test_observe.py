@@ -280,3 +280,20 @@ def test_advice_events_are_rate_limited_per_cache_and_reason():
     assert config.advice_due("ml", "other", "LoadsFailing")
     config.advice_event_gap = 0
     assert config.advice_due("ml", "cache", "LoadsFailing")
+
+
+def test_the_cpu_tier_s_figures_on_pages_of_vllm_s_own_cpu_tier():
+    """vLLM's CPU tier, its worker a no-op (tests/e2e/noop_cpu_spec.py): the prompt, the
+    HBM prefix cache reset, the prompt again; the scheduler's figures are real."""
+    tpc = parse_tpc(body({"storage": None}))
+    obs = observation(page("vllm-0.32-cpu-tier-c-idle.txt"),
+                      page("vllm-0.32-cpu-tier-c-hit.txt"), offloaded=("cpu",))
+    out = observed_tiers(tpc, ("cpu",), obs, None, enabled=True)
+    by = {t.name: t for t in out.tiers}
+    assert list(by) == ["gpu", "cpu"]
+    assert by["cpu"].hit_tokens == 192 and by["cpu"].hit_percent == 48.0
+    assert by["gpu"].hit_percent == 0.0 and out.hit_percent == 48.0
+    assert out.recompute.percent == 52.0
+    assert by["cpu"].used_percent is not None  # vllm:kv_offload_cpu_cache_usage_perc
+    assert by["cpu"].capacity_bytes is None and "0.33 does" in by["cpu"].unobserved
+    assert out.cpu_capacity_tokens is None  # 0.32: the router keeps its computed figure
