@@ -30,7 +30,7 @@ from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
-from kvtier_operator.render.router import render_router_configmap
+from kvtier_operator.render.router import PLUGINS_FILE, render_router_configmap
 from kvtier_operator.rollout import roll
 from kvtier_operator.status import (
     CONDITION_TYPES,
@@ -243,7 +243,7 @@ def _router_capacity(tpc: TieredPrefixCache, router: dict[str, Any] | None,
     engine's own figure: read back from the render, so status says what was used."""
     if router is None:
         return None
-    text = next(iter(router.get("data", {}).values()), "")
+    text = router.get("data", {}).get(PLUGINS_FILE, "")
     found = re.search(r"lruCapacityPerServer: (\d+)", text)
     if found is None:
         return None

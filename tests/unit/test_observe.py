@@ -195,6 +195,7 @@ def test_a_cache_whose_pods_export_their_cpu_capacity_gives_it_to_the_renderers(
     plain = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=None, observing=True)
     assert plain.render_context.observed_cpu_blocks is None
     assert plain.status.router_capacity.source == "computed"
+    assert plain.status.config_hash == out.status.config_hash  # pods are not restarted
 
 
 def test_the_tier_gauges_carry_the_figures_and_drop_absent_ones():
