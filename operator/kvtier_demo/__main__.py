@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from kvtier_demo.cluster import live_cluster, say, until
+from kvtier_demo.cluster import free_port, live_cluster, say, until
+from kvtier_demo.table import wide
 from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
@@ -37,6 +38,7 @@ EXAMPLES = ROOT / "examples"
 EXAMPLE, SAMPLE = "native-kvtier.yaml", "vllm-deployment.yaml"
 NS = "llm-d"
 BLOCKS, BLOCK_BYTES = 48, 1 << 20
+_NONE = type("NoObservation", (), {"pods_read": 0})()
 
 
 def _pod_from(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -162,8 +164,21 @@ async def live(out: Path) -> int:
         print("\n".join(difflib.unified_diff(
             dump(pod).splitlines(), dump(injected).splitlines(), "as written",
             "as admitted", lineterm="", n=1)))
-        injected["status"] = {"phase": "Running"}
+        # The pod runs: the demo's own process stands in for its /metrics (where the
+        # kvtier block store below counts what it moves), and the operator reads it.
+        from prometheus_client import start_http_server
+
+        metrics_port = free_port()
+        start_http_server(metrics_port, addr="127.0.0.1")
+        injected["metadata"].setdefault("annotations", {})[
+            "kvtier.dev/metrics-port"] = str(metrics_port)
+        injected["status"] = {"phase": "Running", "podIP": "127.0.0.1"}
         kmock.objects["v1/pods", NS, injected["metadata"]["name"]] = injected
+        observer = config.the_observer()
+        await until(lambda: (observer.snapshot(NS, name) or _NONE).pods_read,
+                    "the operator's first read of the pod's metrics")
+        print(f"the operator reads the pod's metrics at 127.0.0.1:{metrics_port}/metrics "
+              "every 0.5 s (30 s in a cluster)")
 
         say("4. KV blocks move through the kvtier backend into the shared volume")
         volume = out / "volume"
@@ -205,6 +220,10 @@ async def live(out: Path) -> int:
             if not (status.get("lastEviction") and status.get("injectedPods") == 1
                     and status["conditions"][0]["status"] == "True"):
                 return None
+            storage: dict[str, Any] = next(
+                (t for t in status.get("tiers") or [] if t["name"] == "storage"), {})
+            if not storage.get("bytesLoaded"):  # the blocks moved, observed
+                return None
             return b
 
         body = await until(evicted, "status with the eviction report")
@@ -215,6 +234,14 @@ async def live(out: Path) -> int:
           f"{st['pvc']['phase']}, {st['injectedPods']} pod injected, "
           f"{st['pendingPods']} pending, last eviction {st['lastEviction']['outcome']} "
           f"({st['lastEviction']['filesDeleted']} files), usage {st['usage']['percent']}%")
+    storage = next(t for t in st["tiers"] if t["name"] == "storage")
+    latency = storage.get("loadLatency") or {}
+    print(f"storage tier over the window: {storage['bytesLoaded']:,} bytes loaded, "
+          f"{storage['bytesStored']:,} stored, {storage['failedLoads']} failed loads, "
+          f"load p50 {latency.get('p50Seconds')} s, p99 {latency.get('p99Seconds')} s; "
+          f"hit shares: {storage.get('unobserved') or 'observed'}")
+    say(f"kubectl get tpc {name} -o wide")
+    print(wide(body))
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier_operator.context import RenderContext
 from kvtier_operator.handlers import OperatorConfig
+from kvtier_operator.observe.observer import ObserveSettings
 
 
 def say(title: str) -> None:
@@ -58,7 +59,9 @@ async def live_cluster(out: Path) -> AsyncIterator[LiveCluster]:
     from kvtier_operator.webhook import make_app, serve, tls_context
 
     ctx = RenderContext()
-    config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2)
+    # Observation every half second: the demo's pods' metrics reach status.tiers quickly.
+    config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2,
+                            observe=ObserveSettings(interval=0.5, timeout=2, window=600))
     out.mkdir(parents=True, exist_ok=True)
     certs = out / "webhook-certs"
     ca = make_certs(certs)

@@ -16,6 +16,7 @@ from kvtier_operator.context import (
 )
 from kvtier_operator.gateway import Gateway
 from kvtier_operator.handlers import OperatorConfig, register
+from kvtier_operator.observe.observer import ObserveSettings
 from kvtier_operator.webhook import register_server
 
 
@@ -30,7 +31,23 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
             image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
+        observe=observe_settings(env),
     )
+
+
+def observe_settings(env: dict[str, str]) -> ObserveSettings:
+    """KVTIER_OBSERVE_* (the Helm values' observe block); interval 0: observation off."""
+    d = ObserveSettings()
+
+    def get(name: str, default: float) -> float:
+        return float(env.get(f"KVTIER_OBSERVE_{name}", default))
+
+    return ObserveSettings(
+        interval=get("INTERVAL_SECONDS", d.interval), timeout=get("TIMEOUT_SECONDS", d.timeout),
+        max_bytes=int(get("MAX_BODY_BYTES", d.max_bytes)),
+        max_series=int(get("MAX_SERIES", d.max_series)),
+        concurrency=int(get("CONCURRENCY", d.concurrency)),
+        window=get("WINDOW_SECONDS", d.window))
 
 
 def api_client() -> client.ApiClient:

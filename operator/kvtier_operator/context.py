@@ -16,3 +16,7 @@ class RenderContext:
     offload_image: str = DEFAULT_OFFLOAD_IMAGE  # the offload backend's init container
     evictor_image: str = DEFAULT_OPERATOR_IMAGE
     image_pull_policy: str = "IfNotPresent"
+    # Per cache, from the observation (reconcile sets it): the CPU-tier capacity the
+    # engines report (vLLM 0.33's kv_offload_config_info), per replica, in the router's
+    # blocks (the adapter's router_block_size); None: not exported, use the computed one.
+    observed_cpu_blocks: int | None = None

@@ -126,13 +126,20 @@ def openapi_schema() -> dict[str, Any]:
     }
 
 
-PRINTER_COLUMNS = [
+PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string",
      "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Storage", "type": "string", "jsonPath": ".status.pvc.phase"},
     {"name": "Injected", "type": "integer", "jsonPath": ".status.injectedPods"},
     {"name": "Pending", "type": "integer", "jsonPath": ".status.pendingPods", "priority": 1},
     {"name": "Usage", "type": "number", "jsonPath": ".status.usage.percent"},
+    # Share of prompt tokens served from the offloaded tiers, %; -o wide: each tier's.
+    {"name": "Hit", "type": "number", "jsonPath": ".status.hitPercent"},
+    *({"name": f"{title}-Hit", "type": "number",
+       "jsonPath": f'.status.tiers[?(@.name=="{tier}")].hitPercent', "priority": 1}
+      for tier, title in (("gpu", "GPU"), ("cpu", "CPU"), ("storage", "Storage"))),
+    {"name": "Recompute", "type": "number", "jsonPath": ".status.recompute.percent",
+     "priority": 1},
     {"name": "Last-Eviction", "type": "string", "jsonPath": ".status.lastEviction.outcome",
      "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

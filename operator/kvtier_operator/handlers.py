@@ -23,8 +23,10 @@ from kvtier_operator import GROUP, PLURAL, VERSION, metrics, names
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.context import RenderContext
+from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
+from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
 from kvtier_operator.reconcile import Outcome, reconcile
 
 log = logging.getLogger("kvtier_operator")
@@ -38,6 +40,25 @@ class OperatorConfig:
     retry_delay: float = 10.0
     caches: CacheRegistry = field(default_factory=CacheRegistry)  # shared with the webhook
     conflicts: ConflictLog = field(default_factory=ConflictLog)
+    observe: ObserveSettings = field(default_factory=ObserveSettings)
+    observer: Observer | None = None  # built from `observe` at first use
+    # Advice Events: at most one per cache and reason in this many seconds.
+    advice_event_gap: float = 600.0
+    _advice_posted: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+    def the_observer(self) -> Observer:
+        if self.observer is None:
+            self.observer = Observer(self.observe)
+        return self.observer
+
+    def advice_due(self, namespace: str, name: str, reason: str) -> bool:
+        """Whether an advice Event for this reason may be posted now (rate limit)."""
+        key, now = (namespace, name, reason), time.monotonic()
+        last = self._advice_posted.get(key)
+        if last is not None and now - last < self.advice_event_gap:
+            return False
+        self._advice_posted[key] = now
+        return True
 
 
 def now_iso() -> str:
@@ -57,9 +78,12 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
     pods = list(pods)
     conflicts = config.conflicts.for_cache(meta.get("namespace", ""), meta.get("name", ""),
                                            [p.name for p in pods if p.active])
+    observer = config.the_observer()
+    observed = observer.snapshot(meta.get("namespace", ""), meta.get("name", ""))
     start = time.perf_counter()
     try:
-        outcome = reconcile(body, gw, config.render, pods, list(runs), now_iso(), conflicts)
+        outcome = reconcile(body, gw, config.render, pods, list(runs), now_iso(), conflicts,
+                            observed=observed, observing=config.observe.enabled)
     except RetryableError:
         metrics.RECONCILES.labels("retry").inc()
         metrics.ERRORS.labels("retryable").inc()
@@ -84,11 +108,39 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
         if st.last_eviction is not None:
             metrics.EVICTED_FILES.labels(*labels).set(st.last_eviction.files_deleted or 0)
             metrics.EVICTED_BYTES.labels(*labels).set(st.last_eviction.bytes_freed or 0)
+        metrics.export_tiers(labels, st)
     return outcome
 
 
-def _post(body: dict[str, Any], outcome: Outcome) -> None:
-    for kind, reason, message in outcome.events:
+def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
+                    ) -> list[CacheTargets]:
+    """Every valid cache's injected, running pods, with the URL of their metrics."""
+    out = []
+    for ns, caches in config.caches.view().by_namespace.items():
+        in_ns = pods(ns)
+        for tpc in caches:
+            adapter = adapter_for(tpc.spec)
+            port = adapter.launcher.metrics_port
+            targets = []
+            for pod in in_ns:
+                # A pod without an address is not serving yet: nothing to read, no problem.
+                if pod.cache != tpc.name or not pod.active or pod.opted_out or not pod.ip:
+                    continue
+                url = pod.metrics_url(port)
+                targets.append(Target(pod=pod.name, uid=pod.uid, url=url, problem=None if url
+                                      else "no metrics port known: set the pod annotation "
+                                      "kvtier.dev/metrics-port"))
+            out.append(CacheTargets(ns, tpc.name, adapter, adapter.offloaded_tiers(tpc.spec),
+                                    tuple(targets)))
+    return out
+
+
+def _post(body: dict[str, Any], outcome: Outcome, config: OperatorConfig | None = None) -> None:
+    meta = body.get("metadata") or {}
+    advice = [(kind, reason, message) for kind, reason, message in outcome.advice_events
+              if config is None or config.advice_due(meta.get("namespace", ""),
+                                                     meta.get("name", ""), reason)]
+    for kind, reason, message in [*outcome.events, *advice]:
         # kopf annotates objs as kopf.Body but reads any mapping (.get), as plain dicts are.
         kopf.event(body, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
 
@@ -112,7 +164,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     def observe_cache(type: str | None, body: kopf.Body, **_: Any) -> None:
         config.caches.observe(type or "ADDED", dict(body))
 
-    state: dict[str, asyncio.Task[None] | None] = {"drift": None}
+    state: dict[str, asyncio.Task[None] | None] = {"drift": None, "observe": None}
 
     async def handle(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str,
                      kvtier_pods: kopf.Index, kvtier_evictor_runs: kopf.Index,
@@ -125,7 +177,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             kopf.warn(body, reason="Retrying", message=str(err))
             raise kopf.TemporaryError(str(err), delay=config.retry_delay) from err
         patch.status.update(outcome.status_doc)
-        _post(dict(body), outcome)
+        _post(dict(body), outcome, config)
 
     for cause in ("create", "update", "resume"):
         getattr(kopf.on, cause)(*TPC, id=f"reconcile-on-{cause}", registry=registry)(handle)
@@ -145,7 +197,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                         run_reconcile, body, gateway(), config, _flatten(kvtier_pods, ns),
                         _flatten(kvtier_evictor_runs, (ns, name)))
                     await asyncio.to_thread(gateway().patch_status, ns, name, outcome.status_doc)
-                    _post(body, outcome)
+                    _post(body, outcome, config)
                 except (RetryableError, ApiRejected) as err:
                     log.warning("drift repair of %s/%s: %s", ns, name, err)
                 except Exception:  # one bad resource never stops the loop or the others
@@ -162,12 +214,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         # The indexes are live views: empty now, filled as the watches list and stream.
         state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs),
                                              name="kvtier-drift-loop")
+        if config.observe.enabled:
+            # Off the reconcile path: reconciles read the observer's latest snapshot.
+            state["observe"] = asyncio.create_task(config.the_observer().run(
+                lambda: observe_targets(config, lambda ns: _flatten(kvtier_pods, ns)),
+                now_iso), name="kvtier-observe-loop")
 
     @kopf.on.cleanup(registry=registry)
     async def shutdown(**_: Any) -> None:
-        task = state["drift"]
-        if task is not None:
-            task.cancel()
+        for task in state.values():
+            if task is not None:
+                task.cancel()
 
     @kopf.on.probe(id="managedCaches", registry=registry)
     def probe_caches(**_: Any) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from kvtier_operator.api.v1alpha1 import TieredPrefixCacheStatus
+
 RECONCILES = Counter("kvtier_operator_reconciles", "Reconciles by result",
                      ["result"])  # ok | degraded | invalid | retry | error
 RECONCILE_SECONDS = Histogram("kvtier_operator_reconcile_duration_seconds",
@@ -24,3 +26,55 @@ EVICTED_BYTES = Gauge("kvtier_operator_last_eviction_bytes_freed",
                       "Bytes the latest evictor run freed", ["namespace", "cache"])
 READY = Gauge("kvtier_operator_ready", "1 when the TieredPrefixCache is Ready",
               ["namespace", "cache"])
+
+# What each tier delivered over the observation window (status.tiers), by cache and tier.
+# A figure the pods do not export is not set (a series with no sample, never a zero).
+TIER_LABELS = ["namespace", "cache", "tier"]
+TIER_HIT = Gauge("kvtier_tier_hit_percent",
+                 "Share of prompt tokens served from the tier over the window, %", TIER_LABELS)
+TIER_BYTES_LOADED = Gauge("kvtier_tier_bytes_loaded",
+                          "Bytes loaded from the tier over the window", TIER_LABELS)
+TIER_BYTES_STORED = Gauge("kvtier_tier_bytes_stored",
+                          "Bytes stored into the tier over the window", TIER_LABELS)
+TIER_LOAD_P50 = Gauge("kvtier_tier_load_latency_p50_seconds",
+                      "Median latency of one load from the tier", TIER_LABELS)
+TIER_LOAD_P99 = Gauge("kvtier_tier_load_latency_p99_seconds",
+                      "99th percentile latency of one load from the tier", TIER_LABELS)
+TIER_FAILED_LOADS = Gauge("kvtier_tier_failed_loads",
+                          "Loads from the tier that failed and were recomputed, over the window",
+                          TIER_LABELS)
+TIER_USED = Gauge("kvtier_tier_used_percent", "Tier use, % of capacity", TIER_LABELS)
+TIER_CAPACITY = Gauge("kvtier_tier_capacity_bytes", "Tier capacity per pod, bytes",
+                      TIER_LABELS)
+RECOMPUTE = Gauge("kvtier_tier_recompute_percent",
+                  "Share of prompt tokens computed (no tier had them) over the window, %",
+                  ["namespace", "cache"])
+HIT = Gauge("kvtier_tier_offloaded_hit_percent",
+            "Share of prompt tokens served from the offloaded tiers over the window, %",
+            ["namespace", "cache"])
+_TIER_FIGURES = ((TIER_HIT, "hit_percent"), (TIER_BYTES_LOADED, "bytes_loaded"),
+                 (TIER_BYTES_STORED, "bytes_stored"), (TIER_FAILED_LOADS, "failed_loads"),
+                 (TIER_USED, "used_percent"), (TIER_CAPACITY, "capacity_bytes"))
+
+
+def _set(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    if value is None:
+        try:
+            gauge.remove(*labels)
+        except KeyError:
+            pass
+    else:
+        gauge.labels(*labels).set(value)
+
+
+def export_tiers(cache: tuple[str, str], status: TieredPrefixCacheStatus) -> None:
+    """The status's tier figures as kvtier_tier_* gauges; absent figures: no sample."""
+    for tier in status.tiers or []:
+        labels = (*cache, tier.name)
+        for gauge, attr in _TIER_FIGURES:
+            _set(gauge, labels, getattr(tier, attr))
+        latency = tier.load_latency
+        _set(TIER_LOAD_P50, labels, latency.p50_seconds if latency else None)
+        _set(TIER_LOAD_P99, labels, latency.p99_seconds if latency else None)
+    _set(RECOMPUTE, cache, status.recompute.percent if status.recompute else None)
+    _set(HIT, cache, status.hit_percent)

@@ -7,6 +7,8 @@ from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 PREFIX = "kvtier.dev"
 ANNOTATION_CACHE = f"{PREFIX}/cache"
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
+# Where the operator reads a pod's metrics when the engine's default port is not it.
+ANNOTATION_METRICS_PORT = f"{PREFIX}/metrics-port"
 ANNOTATION_RESTARTED_AT = f"{PREFIX}/restartedAt"
 # The field paths kvtier before server-side apply recorded on the objects it owns; the
 # gateway hands them over to server-side apply once, which then removes it (gateway.py).

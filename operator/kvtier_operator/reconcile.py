@@ -7,7 +7,8 @@ write the status and post the events it returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvtier_operator.api.v1alpha1 import (
     ClaimStatus,
     DeletePolicy,
     RolloutPolicy,
+    RouterCapacityStatus,
     TieredPrefixCache,
     TieredPrefixCacheStatus,
 )
@@ -24,19 +26,22 @@ from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import EvictorRun, PodView
+from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.render.cronjob import render_cronjob
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
-from kvtier_operator.render.router import render_router_configmap
+from kvtier_operator.render.router import PLUGINS_FILE, render_router_configmap
 from kvtier_operator.rollout import roll
 from kvtier_operator.status import (
     CONDITION_TYPES,
     ENGINE_VERSION,
     EVICTOR_HEALTHY,
     INJECTED,
+    METRICS_READABLE,
     PREREQUISITES_READY,
     READY,
     STORAGE_READY,
+    TIERS_EFFECTIVE,
     Cond,
     StorageObservation,
     conditions,
@@ -46,6 +51,7 @@ from kvtier_operator.status import (
     evictor_condition,
     injected_condition,
     latest_run,
+    observed_tiers,
     prerequisites_condition,
     ready_condition,
     status_doc,
@@ -59,6 +65,10 @@ class Outcome:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     pending_pods: list[str] = field(default_factory=list)
     ok: bool = True  # False when something the spec asks for could not be done
+    # What the renderers were given for this cache (observed_cpu_blocks among it).
+    render_context: RenderContext | None = None
+    # Advice that changed (type, reason, message): the handlers post these, rate-limited.
+    advice_events: list[tuple[str, str, str]] = field(default_factory=list)
 
     @cached_property
     def status_doc(self) -> dict[str, Any]:
@@ -229,10 +239,29 @@ def invalid_status(body: dict[str, Any], err: InvalidResource,
                               generation if isinstance(generation, int) else None, now))
 
 
+def _router_capacity(tpc: TieredPrefixCache, router: dict[str, Any] | None,
+                     observed_blocks: int | None) -> RouterCapacityStatus | None:
+    """The CPU-tier capacity the rendered router config carries, and whether it is the
+    engine's own figure: read back from the render, so status says what was used."""
+    if router is None:
+        return None
+    text = router.get("data", {}).get(PLUGINS_FILE, "")
+    found = re.search(r"lruCapacityPerServer: (\d+)", text)
+    if found is None:
+        return None
+    blocks = int(found.group(1))
+    engine = observed_blocks is not None and blocks == observed_blocks
+    return RouterCapacityStatus(cpu_blocks=blocks, source="engine" if engine else "computed")
+
+
 def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[PodView],
               runs: list[EvictorRun], now: str,
-              conflicts: dict[str, str] | None = None) -> Outcome:
-    """conflicts: pods the webhook left alone, with why (pod name: reason)."""
+              conflicts: dict[str, str] | None = None,
+              observed: CacheObservation | None = None,
+              observing: bool = False) -> Outcome:
+    """conflicts: pods the webhook left alone, with why (pod name: reason); observed: the
+    latest observation round's figures for this cache; observing: whether the operator
+    observes at all (off: the tier conditions say so)."""
     try:
         tpc = parse_tpc(body)
     except InvalidResource as err:
@@ -241,6 +270,14 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     events: list[tuple[str, str, str]] = [
         ("Warning", "DeprecatedField", message) for message in deprecations(tpc)]
     prerequisites = check_prerequisites(tpc, gw)
+    adapter = adapter_for(tpc.spec)
+    run = latest_run(runs, tpc)
+    _, usage = eviction_status(run)
+    tiers = observed_tiers(tpc, adapter.offloaded_tiers(tpc.spec), observed, usage, observing,
+                           run)
+    if tiers.cpu_capacity_tokens is not None and tpc.spec.cpu is not None:
+        ctx = replace(ctx, observed_cpu_blocks=tiers.cpu_capacity_tokens
+                      // adapter.router_block_size(tpc.spec))
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
@@ -271,19 +308,25 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
                                                        f"{result.restarted.name}"))
     if router_error:
         injected = Cond("False", "RouterConfigRejected", router_error)
-    run = latest_run(runs, tpc)
     evictor = evictor_condition(tpc, run)
     if cron_error:
         evictor = Cond("False", "CronJobRejected", cron_error)
     ready = ready_condition(storage.condition, injected, evictor, prerequisites)
     last_eviction, usage = eviction_status(run)
     generation = tpc.metadata.generation
+    previous = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    advice_events = [
+        ("Normal" if c.status == "True" else "Warning", c.reason, c.message)
+        for kind, c in ((METRICS_READABLE, tiers.metrics), (TIERS_EFFECTIVE, tiers.advice))
+        if c is not None and (previous.get(kind) or {}).get("reason") != c.reason]
     status = TieredPrefixCacheStatus(
         observed_generation=generation,
         conditions=conditions({READY: ready, STORAGE_READY: storage.condition,
                                INJECTED: injected, EVICTOR_HEALTHY: evictor,
                                PREREQUISITES_READY: prerequisites,
-                               ENGINE_VERSION: engine_version_condition(tpc)},
+                               ENGINE_VERSION: engine_version_condition(tpc),
+                               **({METRICS_READABLE: tiers.metrics} if tiers.metrics else {}),
+                               **({TIERS_EFFECTIVE: tiers.advice} if tiers.advice else {})},
                               (body.get("status") or {}).get("conditions"), generation, now),
         config_hash=digest,
         injected_pods=counts.injected,
@@ -292,7 +335,13 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
         if storage.claim else None,
         usage=usage,
         last_eviction=last_eviction,
+        hit_percent=tiers.hit_percent,
+        tiers=tiers.tiers,
+        recompute=tiers.recompute,
+        observation=tiers.observation,
+        router_capacity=_router_capacity(tpc, router, ctx.observed_cpu_blocks),
     )
     ok = not (cron_error or router_error) and storage.condition.reason not in (
         "ClaimRejected", "ClaimNotFound")
-    return Outcome(status=status, events=events, pending_pods=counts.pending, ok=ok)
+    return Outcome(status=status, events=events, pending_pods=counts.pending, ok=ok,
+                   render_context=ctx, advice_events=advice_events)

@@ -7,6 +7,7 @@ condition's status does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,19 +15,27 @@ from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_
 from kvtier_operator.api.v1alpha1 import (
     Condition,
     EvictionStatus,
+    LatencyStatus,
+    ObservationStatus,
+    RecomputeStatus,
     TieredPrefixCache,
     TieredPrefixCacheStatus,
+    TierStatus,
     UsageStatus,
 )
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
+from kvtier_operator.observe.observer import CacheObservation
+from kvtier_operator.observe.window import WindowSum, quantile
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
     "EvictorHealthy"
 PREREQUISITES_READY = "PrerequisitesReady"
 ENGINE_VERSION = "EngineVersion"
+# Observed, advisory: never part of Ready.
+METRICS_READABLE, TIERS_EFFECTIVE = "MetricsReadable", "TiersEffective"
 CONDITION_TYPES = (READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY, PREREQUISITES_READY,
-                   ENGINE_VERSION)
+                   ENGINE_VERSION, METRICS_READABLE, TIERS_EFFECTIVE)
 
 
 @dataclass
@@ -192,3 +201,194 @@ def status_doc(status: TieredPrefixCacheStatus) -> dict[str, Any]:
     None stay (a merge patch then clears them, e.g. pvc when the shared tier goes);
     fields never set are left out (an invalid spec keeps the last configHash)."""
     return status.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+# ------------------------------------------------------------ observed tiers and advice
+
+# Advice thresholds: enough traffic to judge, and what counts as a problem.
+MIN_PROMPT_TOKENS = 10_000  # over the window, before a tier is called idle
+IDLE_CPU_PERCENT = 1.0
+FAILING_LOADS_PERCENT = 5.0
+MIN_LOADS = 20
+TOO_SMALL_STORAGE_SHARE = 50.0  # % of offloaded hits that came from the volume
+CPU_FULL_PERCENT = 90.0
+
+
+@dataclass
+class ObservedTiers:
+    tiers: list[TierStatus] | None = None
+    recompute: RecomputeStatus | None = None
+    hit_percent: float | None = None
+    observation: ObservationStatus | None = None
+    metrics: Cond | None = None
+    advice: Cond | None = None
+    cpu_capacity_tokens: int | None = None  # per pod, the least the engines report
+
+
+def _pct(part: float | None, whole: float | None) -> float | None:
+    if part is None or not whole:
+        return None
+    return round(100.0 * part / whole, 2)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
+                window: WindowSum) -> list[str]:
+    out = ["gpu", *offloaded]
+    out += sorted({tier for (_, tier) in window.counters if tier and tier not in out})
+    return out
+
+
+def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
+                   obs: CacheObservation | None, usage: UsageStatus | None,
+                   enabled: bool, last_run: EvictorRun | None = None) -> ObservedTiers:
+    """status.tiers, status.recompute, the Hit figure and the two conditions from the
+    latest observation round (None: none yet)."""
+    out = ObservedTiers()
+    if not enabled:
+        out.metrics = Cond("Unknown", "ObservationOff",
+                           "the operator's observation is off (observe.enabled: false in the "
+                           "Helm values); no tier figures")
+        out.advice = Cond("Unknown", "NotObserved", "no figures: observation is off")
+        return out
+    if obs is None:
+        out.metrics = Cond("Unknown", "NotReadYet", "the pods' metrics have not been read yet")
+        out.advice = Cond("Unknown", "NotObserved", "no figures yet")
+        return out
+    w = obs.window
+    out.observation = ObservationStatus(
+        window_seconds=round(w.span, 1) if w.pods_with_steps else None,
+        pods_read=obs.pods_read, pods_unreadable=obs.pods_unreadable,
+        problems=obs.problems or None, observed_at=obs.observed_at)
+    out.metrics = _metrics_condition(obs)
+    if not obs.reads or obs.pods_read == 0:
+        out.advice = Cond("Unknown", "NotObserved", out.metrics.message)
+        return out
+    prompt = w.counters.get(("prompt_tokens", "")) if w.pods_with_steps else None
+    if not w.pods_with_steps:
+        no_traffic = "one read so far: shares need two (the next round)"
+    elif prompt is None:
+        no_traffic = w.missing.get(("prompt_tokens", ""), "no prompt-token figure")
+    else:
+        no_traffic = "no prompt tokens over the window"
+    tiers = []
+    for name in _tier_names(tpc, offloaded, w):
+        def counter(figure: str, tier: str = name) -> float | None:
+            return w.counters.get((figure, tier)) if w.pods_with_steps else None
+
+        def gauge(figure: str, tier: str = name, pick: Callable[[list[float]], float] = min
+                  ) -> float | None:
+            values = w.gauges.get((figure, tier))
+            return pick(values) if values else None
+
+        hits = counter("hit_tokens")
+        buckets = w.buckets(("load_seconds", name))
+        p50, p99 = quantile(0.5, buckets), quantile(0.99, buckets)
+        reasons = sorted({why for (fig, tier), why in w.missing.items()
+                          if tier == name and (fig, tier) not in w.counters
+                          and (fig, tier) not in w.gauges and (fig, tier) not in w.histograms})
+        if not prompt:
+            reasons.insert(0, no_traffic)
+        status = TierStatus(
+            name=name, hit_percent=_pct(hits, prompt), hit_tokens=_int(hits),
+            bytes_loaded=_int(counter("bytes_loaded")), bytes_stored=_int(counter("bytes_stored")),
+            load_latency=LatencyStatus(p50_seconds=_round(p50), p99_seconds=_round(p99))
+            if p50 is not None else None,
+            failed_loads=_int(counter("failed_loads")),
+            capacity_bytes=_int(gauge("capacity_bytes")),
+            capacity_tokens=_int(gauge("capacity_tokens")),
+            used_percent=_round(gauge("used_percent", pick=lambda v: sum(v) / len(v))),
+            unobserved="; ".join(reasons) or None, observed_at=obs.observed_at)
+        if name == "storage" and usage is not None:
+            status.capacity_bytes = usage.capacity_bytes
+            status.used_percent = usage.percent
+        tiers.append(status)
+    out.tiers = tiers
+    recomputed = w.counters.get(("recomputed_tokens", "")) if w.pods_with_steps else None
+    out.recompute = RecomputeStatus(percent=_pct(recomputed, prompt), tokens=_int(recomputed),
+                                    prompt_tokens=_int(prompt), observed_at=obs.observed_at)
+    offloaded_hits = [t.hit_tokens for t in tiers if t.name != "gpu" and t.hit_tokens is not None]
+    out.hit_percent = _pct(sum(offloaded_hits), prompt) if offloaded_hits else None
+    capacity = w.gauges.get(("capacity_tokens", "cpu"))
+    out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
+    out.advice = _advice(tpc, w, tiers, prompt, last_run)
+    return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _metrics_condition(obs: CacheObservation) -> Cond:
+    if not obs.reads:
+        return Cond("Unknown", "NoEngineMetrics",
+                    "kvtier reads no figures from this engine's metrics")
+    if obs.pods_selected == 0:
+        return Cond("Unknown", "NoPodsToRead", "no injected pod to read yet")
+    if obs.pods_unreadable:
+        first = obs.problems[0] if obs.problems else ""
+        return Cond("False", "MetricsUnreadable",
+                    f"{obs.pods_unreadable} of {obs.pods_selected} pod(s) gave no figures "
+                    f"({first}); open the metrics port to the operator, fix the page, or "
+                    "set the kvtier.dev/metrics-port annotation")
+    return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
+
+
+def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
+            prompt: float | None, run: EvictorRun | None) -> Cond:
+    by = {t.name: t for t in tiers}
+    found: list[tuple[str, str]] = []
+    storage, cpu = by.get("storage"), by.get("cpu")
+    loads = w.counters.get(("loads", "storage"))
+    failed = w.counters.get(("failed_loads", "storage"))
+    if loads and failed is not None and loads >= MIN_LOADS and \
+            100.0 * failed / loads > FAILING_LOADS_PERCENT:
+        found.append(("LoadsFailing",
+                      f"{100.0 * failed / loads:.1f}% of {int(loads)} loads from the volume "
+                      f"failed and were recomputed (over {FAILING_LOADS_PERCENT:g}%); see the "
+                      "pods' kvtier_offload_corrupt_files and the volume's health"))
+    first = "cpu" if cpu is not None else "storage"
+    load_time = w.counters.get(("load_time_seconds", first))
+    loaded_hits = w.counters.get(("hit_tokens", first))
+    prefill = w.counters.get(("prefill_seconds", ""))
+    computed = w.counters.get(("recomputed_tokens", ""))
+    if first == "storage" and load_time and loaded_hits and prefill and computed:
+        per_load, per_compute = load_time / loaded_hits, prefill / computed
+        if per_load > per_compute:
+            found.append(("VolumeSlowerThanRecompute",
+                          f"loading from the volume takes {per_load * 1e6:.1f} us per token, "
+                          f"computing {per_compute * 1e6:.1f} us (the engine's prefill time); "
+                          "a faster volume, or fewer tokens per file (router.blockSize), or "
+                          "no shared tier for this model"))
+    if cpu is not None and storage is not None and cpu.hit_tokens is not None and \
+            storage.hit_tokens and prompt:
+        share = 100.0 * storage.hit_tokens / (storage.hit_tokens + cpu.hit_tokens)
+        full = cpu.used_percent is None or cpu.used_percent >= CPU_FULL_PERCENT
+        if share > TOO_SMALL_STORAGE_SHARE and full:
+            found.append(("CpuTierTooSmall",
+                          f"{share:.0f}% of offloaded hits came from the volume, not the CPU "
+                          f"tier ({tpc.spec.cpu.size if tpc.spec.cpu else '?'}"
+                          + (f", {cpu.used_percent:.0f}% used" if cpu.used_percent is not None
+                             else "") + "); grow spec.cpu.size"))
+    if cpu is not None and cpu.hit_tokens is not None and prompt and \
+            prompt >= MIN_PROMPT_TOKENS and 100.0 * cpu.hit_tokens / prompt < IDLE_CPU_PERCENT:
+        found.append(("CpuTierIdle",
+                      f"the CPU tier served {100.0 * cpu.hit_tokens / prompt:.2f}% of "
+                      f"{int(prompt)} prompt tokens; shrink or drop spec.cpu, or route "
+                      "repeated prefixes to the same replicas"))
+    high = tpc.spec.eviction.high_watermark
+    if run is not None and run.report is not None and tpc.spec.storage is not None and \
+            run.report.usage_after.percent >= high:
+        found.append(("EvictorBehind",
+                      f"the volume is {run.report.usage_after.percent:.1f}% used after the "
+                      f"last evictor run (highWatermark {high}%); run it more often "
+                      "(eviction.schedule), lower minIdle, or grow the claim"))
+    if found:
+        return Cond("False", found[0][0], "; ".join(m for _, m in found))
+    if not prompt:
+        return Cond("Unknown", "NotEnoughTraffic", "no prompt tokens over the window yet")
+    return Cond("True", "TiersEffective",
+                "no advice: loads succeed and each tier serves what it holds")

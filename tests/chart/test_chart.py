@@ -165,11 +165,13 @@ def test_dashboard_queries_only_metrics_that_exist():
     import re
 
     dashboard = json.loads((CHART / "dashboards" / "kvtier.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z_]+)", e)}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert [r.get("repeat") for r in rows] == ["tier"]  # a row per tier (#32)
+    used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z0-9_]+)", e)}
     sources = "".join(p.read_text() for p in (ROOT / "operator").rglob("metrics.py")) + \
         "".join(p.read_text() for p in (ROOT / "offload").rglob("metrics.py"))
-    declared = set(re.findall(r'"(kvtier_[a-z_]+)"', sources))
+    declared = set(re.findall(r'"(kvtier_[a-z0-9_]+)"', sources))
     exported = declared | {f"{m}_total" for m in declared} | {f"{m}_bucket" for m in declared}
     assert used and used <= exported, sorted(used - exported)
     objs = render("grafana.dashboard.enabled=true")

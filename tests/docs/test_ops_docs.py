@@ -20,9 +20,10 @@ DOCS = ROOT / "docs"
 
 def emitted_reasons() -> set[str]:
     found = set()
-    for path in OPERATOR.glob("*.py"):
+    for path in OPERATOR.rglob("*.py"):
         text = path.read_text()
         found |= set(re.findall(r'Cond\("(?:True|False|Unknown)",\s*"([A-Za-z]+)"', text))
+        found |= set(re.findall(r'found\.append\(\("([A-Za-z]+)"', text))  # status._advice
         found |= set(re.findall(r'"([A-Z][A-Za-z]+)" if not notes else', text))
     found.add("BoundWithWarnings")  # chosen by an expression the pattern above cannot see
     return found

@@ -24,6 +24,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
+from kvtier_operator.engines.figures import PodFigures, Samples
 from kvtier_operator.engines.sizing import PodSizing
 from kvtier_operator.engines.versions import Asked, Version, VersionTable
 
@@ -126,6 +127,18 @@ class Launcher(ABC):
     def add_events(self, container: dict[str, Any], config: dict[str, Any]) -> str:
         """Make the server publish KV events; returns why not (changing nothing)."""
         return f"kvtier cannot pass a KV-events config to {self.label}"
+
+    # Where the server serves /metrics unless the pod says otherwise (observe: a
+    # kvtier.dev/metrics-port annotation, a container port named metrics or http).
+    metrics_port: ClassVar[int | None] = None
+    # The metric families read_metrics reads (names without _total, _bucket, ...): the
+    # observer parses only these lines of a page. Empty: every family.
+    metric_families: ClassVar[frozenset[str]] = frozenset()
+
+    def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
+        """The tier figures on one pod's metrics page (engines/figures.py); None: kvtier
+        reads no figures from this engine."""
+        return None
 
 
 class Adapter(ABC):
@@ -315,3 +328,8 @@ class Adapter(ABC):
 
     def prerequisites(self, tpc: TieredPrefixCache) -> list[Prerequisite]:
         return []
+
+    def offloaded_tiers(self, spec: TieredPrefixCacheSpec) -> tuple[str, ...]:
+        """The tiers below HBM the spec configures, nearest first (status.tiers)."""
+        return (("cpu",) if spec.cpu is not None else ()) + \
+            (("storage",) if spec.storage is not None else ())

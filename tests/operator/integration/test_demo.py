@@ -35,6 +35,16 @@ def test_make_demo_runs_the_whole_system(tmp_path):
             "last eviction freed") in out
     blocks = [f for _, _, fs in os.walk(tmp_path / "volume") for f in fs if f.endswith(".kvb")]
     assert 0 < len(blocks) < 48  # some evicted, the most recent kept
+    # the operator read the pod's metrics: the blocks moved are the storage tier's figures
+    # (48 x 1 MiB each way, none failed); no vLLM here, so no prompt-token shares
+    assert ("storage tier over the window: 50,331,648 bytes loaded, 50,331,648 stored, "
+            "0 failed loads, load p50 ") in out
+    assert "hit shares: vllm:prompt_tokens is absent" in out
+    table = out.split("=== kubectl get tpc qwen3-tiered -o wide\n")[1].splitlines()
+    assert table[0].split() == ["NAME", "READY", "STORAGE", "INJECTED", "PENDING", "USAGE",
+                                "HIT", "GPU-HIT", "CPU-HIT", "STORAGE-HIT", "RECOMPUTE",
+                                "LAST-EVICTION", "AGE"]
+    assert table[1].split()[:2] == ["qwen3-tiered", "True"]
 
 
 @pytest.mark.parametrize(("example", "needles"), [

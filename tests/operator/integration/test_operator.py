@@ -71,7 +71,11 @@ async def test_create_applies_objects_and_reports_status(kmock):
     body = tpc_obj(kmock)
     st = body["status"]
     assert [c["type"] for c in status] == ["Ready", "StorageReady", "Injected", "EvictorHealthy",
-                                         "PrerequisitesReady", "EngineVersion"]
+                                         "PrerequisitesReady", "EngineVersion",
+                                         "MetricsReadable", "TiersEffective"]
+    # the observer runs, but no pod has an address yet: nothing read, no zeros written
+    assert condition(body, "MetricsReadable")["status"] == "Unknown"
+    assert "tiers" not in st or not st["tiers"]
     assert all(c["observedGeneration"] == 1 for c in st["conditions"])
     assert condition(body, "StorageReady")["reason"] == "ClaimPending"  # no binder in kmock
     assert condition(body, "Ready")["status"] == "False"

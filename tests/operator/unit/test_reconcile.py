@@ -284,7 +284,8 @@ def test_the_status_is_the_typed_model_the_crd_is_generated_from():
     assert TieredPrefixCacheStatus.model_validate(written).model_dump(
         mode="json", by_alias=True, exclude_unset=True) == written
     assert set(written) == {"observedGeneration", "conditions", "configHash", "injectedPods",
-                            "pendingPods", "pvc", "usage", "lastEviction"}
+                            "pendingPods", "pvc", "usage", "lastEviction", "hitPercent",
+                            "tiers", "recompute", "observation", "routerCapacity"}
     assert written["usage"] is None  # kept: a merge patch clears a stale value
 
 

@@ -54,6 +54,65 @@ class EvictionStatus(ApiModel):
     job: str | None = Field(default=None, description="The Job that ran.")
 
 
+class LatencyStatus(ApiModel):
+    p50_seconds: float | None = Field(default=None, description="Median, over the window.")
+    p99_seconds: float | None = Field(default=None, description="99th percentile.")
+
+
+class TierStatus(ApiModel):
+    """What one tier delivered over the window, from the selected pods' metrics. A figure
+    the pods do not export is left out and `unobserved` says why: never a zero."""
+
+    name: str = Field(description="gpu, cpu, storage, or another tier the engine names "
+                      "(offloaded: hits an engine did not attribute to one tier).")
+    hit_percent: float | None = Field(
+        default=None, description="Share of prompt tokens served from this tier, %.")
+    hit_tokens: int | None = Field(default=None, description="Prompt tokens served from it.")
+    bytes_loaded: int | None = Field(default=None, description="Bytes loaded from it.")
+    bytes_stored: int | None = Field(default=None, description="Bytes stored into it.")
+    load_latency: LatencyStatus | None = Field(
+        default=None, description="One load's latency, where the engine exports a histogram.")
+    failed_loads: int | None = Field(
+        default=None, description="Loads that failed and were recomputed.")
+    capacity_bytes: int | None = Field(default=None, description="Capacity per pod, bytes.")
+    capacity_tokens: int | None = Field(default=None, description="Capacity per pod, tokens.")
+    used_percent: float | None = Field(default=None, description="Use, % of capacity.")
+    unobserved: str | None = Field(
+        default=None, description="Why figures of this tier are missing, if any are.")
+    observed_at: str | None = Field(default=None, description="When this was observed.")
+
+
+class RecomputeStatus(ApiModel):
+    percent: float | None = Field(
+        default=None, description="Share of prompt tokens computed (no tier had them), %.")
+    tokens: int | None = Field(default=None, description="Prompt tokens computed.")
+    prompt_tokens: int | None = Field(
+        default=None, description="Prompt tokens asked for over the window.")
+    observed_at: str | None = Field(default=None, description="When this was observed.")
+
+
+class ObservationStatus(ApiModel):
+    """How the figures in tiers and recompute were obtained."""
+
+    window_seconds: float | None = Field(
+        default=None, description="The span the tier figures cover.")
+    pods_read: int | None = Field(default=None, description="Pods whose metrics were read.")
+    pods_unreadable: int | None = Field(
+        default=None, description="Selected pods whose metrics could not be read.")
+    problems: list[str] | None = Field(
+        default=None, description="Why figures are missing, per pod (at most ten).")
+    observed_at: str | None = Field(default=None, description="The latest read.")
+
+
+class RouterCapacityStatus(ApiModel):
+    cpu_blocks: int | None = Field(
+        default=None, description="The CPU-tier capacity per replica the router is given, "
+        "in router blocks.")
+    source: Literal["engine", "computed"] | None = Field(
+        default=None, description="engine: the engine's own figure (vLLM 0.33's "
+        "kv_offload_config_info); computed: from cpu.size and the model's geometry.")
+
+
 class TieredPrefixCacheStatus(ApiModel):
     observed_generation: int | None = Field(
         default=None, description="The metadata.generation last reconciled."
@@ -76,4 +135,15 @@ class TieredPrefixCacheStatus(ApiModel):
     last_eviction: EvictionStatus | None = Field(
         default=None, description="Summary of the latest evictor run."
     )
+    hit_percent: float | None = Field(
+        default=None, description="Share of prompt tokens served from the offloaded tiers "
+        "(all but gpu) over the window, % (the Hit column).")
+    tiers: list[TierStatus] | None = Field(
+        default=None, description="What each tier delivered over the window.")
+    recompute: RecomputeStatus | None = Field(
+        default=None, description="Prompt tokens no tier had, over the window.")
+    observation: ObservationStatus | None = Field(
+        default=None, description="How the tier figures were read.")
+    router_capacity: RouterCapacityStatus | None = Field(
+        default=None, description="The router's CPU-tier capacity and where it came from.")
 

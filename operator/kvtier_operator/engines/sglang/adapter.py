@@ -17,9 +17,11 @@ from kvtier_operator.api.v1alpha1 import (
 )
 from kvtier_operator.engines.base import Adapter, Launcher, PodRole
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, program_start
+from kvtier_operator.engines.figures import PodFigures, Samples
 from kvtier_operator.engines.sglang import entry as sglang_entry
 from kvtier_operator.engines.sglang import flags as sglang_flags
 from kvtier_operator.engines.sglang import hicache as sglang_hicache
+from kvtier_operator.engines.sglang import metrics
 from kvtier_operator.engines.sizing import GB, PodSizing, pinned_process_sizing
 
 EVICTOR_LAYOUT = "sglang"  # kvtier_evictor.layouts.SGLANG
@@ -55,6 +57,12 @@ class SglangLauncher(Launcher):
 
     def options_env(self, options: Any) -> dict[str, str]:
         return {}
+
+    metrics_port: ClassVar[int | None] = 30000  # the server's --port default
+    metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
+
+    def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
+        return metrics.read(samples, offloaded)
 
     def add_options(self, container: dict[str, Any], options: Any) -> str:
         name = container.get("name")

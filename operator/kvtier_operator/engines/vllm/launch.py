@@ -19,7 +19,9 @@ from kvtier_operator.engines.cmdline.argv import (
     program_start,
     words,
 )
+from kvtier_operator.engines.figures import PodFigures, Samples
 from kvtier_operator.engines.vllm import entry as vllm_entry
+from kvtier_operator.engines.vllm import metrics
 
 # Flags that mean the user already configured KV offloading by hand.
 OWN_OFFLOAD_FLAGS = (
@@ -152,6 +154,12 @@ class VllmLauncher(Launcher):
 
     def add_events(self, container: dict[str, Any], config: dict[str, Any]) -> str:
         return add_kv_events_config(container, kv_transfer_json(config))
+
+    metrics_port: ClassVar[int | None] = 8000  # the OpenAI server's --port default
+    metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
+
+    def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
+        return metrics.read(samples, offloaded)
 
 
 VLLM = VllmLauncher()

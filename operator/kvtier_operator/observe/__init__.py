@@ -21,6 +21,15 @@ class PodView:
     active: bool  # not finished, not being deleted
     owner_kind: str | None
     owner_name: str | None
+    ip: str | None = None  # status.podIP
+    metrics_port: int | None = None  # the annotation, or a port named metrics or http
+
+    def metrics_url(self, default_port: int | None) -> str | None:
+        port = self.metrics_port or default_port
+        if not self.ip or port is None:
+            return None
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"http://{host}:{port}/metrics"
 
     @property
     def label_dict(self) -> dict[str, str]:
@@ -33,6 +42,21 @@ class PodView:
     @property
     def opted_out(self) -> bool:
         return self.label_dict.get(names.LABEL_OPT_OUT) == "false"
+
+
+def _metrics_port(meta: dict[str, Any], spec: dict[str, Any]) -> int | None:
+    """The pod's kvtier.dev/metrics-port annotation, else its container port named
+    metrics, else http; None: the engine's default."""
+    annotated = str((meta.get("annotations") or {}).get(names.ANNOTATION_METRICS_PORT, ""))
+    if annotated.isdigit() and 0 < int(annotated) < 65536:
+        return int(annotated)
+    ports = {p.get("name"): p.get("containerPort") for c in spec.get("containers") or []
+             for p in c.get("ports") or [] if isinstance(p, dict)}
+    for name in ("metrics", "http"):
+        port = ports.get(name)
+        if isinstance(port, int):
+            return port
+    return None
 
 
 def pod_view(body: dict[str, Any]) -> PodView:
@@ -51,6 +75,8 @@ def pod_view(body: dict[str, Any]) -> PodView:
         active=phase not in ("Succeeded", "Failed") and not meta.get("deletionTimestamp"),
         owner_kind=owner.get("kind"),
         owner_name=owner.get("name"),
+        ip=(body.get("status") or {}).get("podIP") or None,
+        metrics_port=_metrics_port(meta, body.get("spec") or {}),
     )
 
 

@@ -1,0 +1,103 @@
+"""What one pod's metrics page says about the tiers, engine-neutral: the figures an
+engine's reader (engines/<engine>/metrics.py) takes from the page's samples.
+
+A reader gets the page as `Samples` (sample name -> (labels, value) pairs, as
+`prometheus_client.parser` yields them; the observe layer parses and bounds it) and
+returns `PodFigures`: cumulative counters and histogram buckets per (figure, tier), the
+gauges as read, and for every figure it expected and did not find, why. A figure that
+is absent stays absent: never a zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+Labels = Mapping[str, str]
+Samples = Mapping[str, list[tuple[Labels, float]]]
+
+# Figure names (the key's first part; the second is the tier, "" for the whole pod).
+PROMPT_TOKENS = "prompt_tokens"  # prompt tokens the engine was asked for
+RECOMPUTED_TOKENS = "recomputed_tokens"  # prompt tokens computed (no tier had them)
+HIT_TOKENS = "hit_tokens"  # prompt tokens served from the tier
+BYTES_LOADED = "bytes_loaded"
+BYTES_STORED = "bytes_stored"
+FAILED_LOADS = "failed_loads"  # loads that failed and fell back to recompute
+LOADS = "loads"  # load operations
+LOAD_SECONDS = "load_seconds"  # a histogram: one load's latency
+LOAD_TIME = "load_time_seconds"  # a counter: time spent loading from the tier
+PREFILL_SECONDS = "prefill_seconds"  # a counter: time spent in prefill (computing)
+# Gauges
+CAPACITY_BYTES = "capacity_bytes"
+CAPACITY_TOKENS = "capacity_tokens"
+USED_PERCENT = "used_percent"
+
+# The offloaded tiers together, where the engine does not say which one served.
+OFFLOADED = "offloaded"
+
+Key = tuple[str, str]  # (figure, tier)
+
+
+@dataclass
+class PodFigures:
+    counters: dict[Key, float] = field(default_factory=dict)
+    histograms: dict[Key, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    gauges: dict[Key, float] = field(default_factory=dict)
+    missing: dict[Key, str] = field(default_factory=dict)  # expected, absent: why
+    engine_version: str | None = None
+
+
+MetricsReader = Callable[[Samples, tuple[str, ...]], PodFigures]
+"""(samples, the spec's offloaded tiers in order: e.g. ("cpu", "storage")) -> figures."""
+
+
+def total(samples: Samples, name: str, **match: str) -> float | None:
+    """The sum of a sample's series whose labels match; None where there is none, or
+    where one of them is NaN or infinite (never a partial sum)."""
+    found = [v for labels, v in samples.get(name, ()) if
+             all(labels.get(k) == want for k, want in match.items())]
+    if not found or not all(math.isfinite(v) for v in found):
+        return None
+    return sum(found)
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """Sums by one label's value (NaN where any summed value is not finite)."""
+    out: dict[str, float] = {}
+    for labels, v in samples.get(name, ()):
+        key = labels.get(label, "")
+        out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, float], ...]:
+    """A histogram's cumulative buckets (le, count), summed over the series that match;
+    empty where a count is not finite."""
+    out: dict[float, float] = {}
+    for labels, v in samples.get(f"{name}_bucket", ()):
+        if all(labels.get(k) == want for k, want in match.items()) and "le" in labels:
+            try:
+                le = float(labels["le"])
+            except ValueError:
+                continue
+            out[le] = out.get(le, 0.0) + v
+    if not all(math.isfinite(v) for v in out.values()):
+        return ()
+    return tuple(sorted(out.items()))
+
+
+def first_labels(samples: Samples, name: str) -> Labels | None:
+    series = samples.get(name)
+    return series[0][0] if series else None
+
+
+def put(figures: PodFigures, key: Key, value: float | None, why_absent: str) -> None:
+    if value is None:
+        figures.missing[key] = why_absent
+    else:
+        figures.counters[key] = value
+
+
+def names(samples: Samples) -> Iterable[str]:
+    return samples.keys()

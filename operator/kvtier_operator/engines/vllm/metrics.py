@@ -1,0 +1,168 @@
+"""What vLLM's /metrics says about the tiers (0.32 and 0.33; tests on pages captured from
+real API servers, tests/fixtures/metrics/).
+
+- Prompt tokens by where their KV came from: `vllm:prompt_tokens_cached_by_source`
+  (device, host, disk, p2p, external_unspecified), else the older pair
+  `vllm:prefix_cache_hits` (HBM) and `vllm:external_prefix_cache_hits` (the connector);
+  computed ones: `vllm:prompt_tokens_by_source{source="local_compute"}`.
+- Bytes between HBM and the first offloaded medium: `vllm:kv_offload_load_bytes` and
+  `_store_bytes` (the CPU tier where there is one, else the files).
+- kvtier's backend (the files): `kvtier_offload_bytes`, `_operations` (failed loads:
+  any load outcome but ok), `_latency_seconds` (load p50/p99). They reach /metrics
+  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec;
+  in GPU-direct mode they stay in the worker processes' registries (see `missing`).
+- Capacity: 0.33's `vllm:kv_offload_config_info` (cpu_kv_cache_size_bytes and _tokens,
+  cpu_num_chunks x cpu_blocks_per_chunk); use: `vllm:kv_offload_cpu_cache_usage_perc`,
+  `vllm:kv_cache_usage_perc` (HBM), both fractions.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvtier_operator.engines.figures import (
+    BYTES_LOADED,
+    BYTES_STORED,
+    CAPACITY_BYTES,
+    CAPACITY_TOKENS,
+    FAILED_LOADS,
+    HIT_TOKENS,
+    LOAD_SECONDS,
+    LOAD_TIME,
+    LOADS,
+    OFFLOADED,
+    PREFILL_SECONDS,
+    PROMPT_TOKENS,
+    RECOMPUTED_TOKENS,
+    USED_PERCENT,
+    PodFigures,
+    Samples,
+    buckets,
+    by_label,
+    first_labels,
+    put,
+    total,
+)
+
+SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "storage", "p2p": "p2p"}
+KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direct mode they "
+                    "live in vLLM's worker processes (set PROMETHEUS_MULTIPROC_DIR to "
+                    "export them)")
+CONFIG_INFO = "vllm:kv_offload_config_info"
+# Every family read below (the observer parses only these).
+FAMILIES = frozenset({
+    "vllm:prompt_tokens", "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source",
+    "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+    "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
+    "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
+    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
+    "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
+})
+
+
+def read(samples: Samples, offloaded: tuple[str, ...]) -> PodFigures:
+    f = PodFigures()
+    put(f, (PROMPT_TOKENS, ""), total(samples, "vllm:prompt_tokens_total"),
+        "vllm:prompt_tokens is absent (is this vLLM's API server?)")
+    put(f, (RECOMPUTED_TOKENS, ""), total(samples, "vllm:prompt_tokens_by_source_total",
+                                          source="local_compute"),
+        "vllm:prompt_tokens_by_source is absent (vLLM older than 0.12?)")
+    _hits(f, samples, offloaded)
+    first = offloaded[0] if offloaded else None
+    if first is not None:
+        for key, name in (((BYTES_LOADED, first), "vllm:kv_offload_load_bytes"),
+                          ((BYTES_STORED, first), "vllm:kv_offload_store_bytes"),
+                          ((LOAD_TIME, first), "vllm:kv_offload_load_time")):
+            put(f, key, total(samples, f"{name}_total"),
+                f"{name} is not on the page (vLLM creates it at the first transfer; "
+                "none yet, or no offloading connector on this pod)")
+    put(f, (PREFILL_SECONDS, ""), total(samples, "vllm:request_prefill_time_seconds_sum"),
+        "vllm:request_prefill_time_seconds is absent")
+    _kvtier(f, samples, offloaded)
+    _capacity(f, samples, offloaded)
+    return f
+
+
+def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
+    by_source = by_label(samples, "vllm:prompt_tokens_cached_by_source_total", "source")
+    if by_source:
+        for source, tokens in by_source.items():
+            tier = SOURCE_TIER.get(source)
+            if tier is None:  # external_unspecified: the only offloaded tier, if one
+                tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
+            if tier != "gpu" and tier != OFFLOADED and tier not in offloaded:
+                tier = OFFLOADED
+            if tier == OFFLOADED and not tokens:
+                continue
+            f.counters[(HIT_TOKENS, tier)] = f.counters.get((HIT_TOKENS, tier), 0.0) + tokens
+        for key in [k for k, v in f.counters.items() if not math.isfinite(v)]:
+            del f.counters[key]
+            f.missing[key] = "a NaN or infinite vllm:prompt_tokens_cached_by_source"
+        return
+    put(f, (HIT_TOKENS, "gpu"), total(samples, "vllm:prefix_cache_hits_total"),
+        "vllm:prefix_cache_hits is absent (prefix caching off?)")
+    external = total(samples, "vllm:external_prefix_cache_hits_total")
+    if external is not None and offloaded:
+        tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
+        f.counters[(HIT_TOKENS, tier)] = external
+
+
+def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
+    if "storage" not in offloaded:
+        return
+    if not any(name.startswith("kvtier_offload_") for name in samples):
+        for key in ((FAILED_LOADS, "storage"), (LOAD_SECONDS, "storage")):
+            f.missing[key] = KVTIER_UNREACHED
+        return
+    loaded = total(samples, "kvtier_offload_bytes_total", direction="load")
+    stored = total(samples, "kvtier_offload_bytes_total", direction="store")
+    if loaded is not None:
+        f.counters[(BYTES_LOADED, "storage")] = loaded
+    if stored is not None:
+        f.counters[(BYTES_STORED, "storage")] = stored
+    outcomes = {labels.get("outcome", ""): v for labels, v in
+                samples.get("kvtier_offload_operations_total", ()) if
+                labels.get("direction") == "load"}
+    f.counters[(FAILED_LOADS, "storage")] = sum(v for k, v in outcomes.items() if k != "ok")
+    f.counters[(LOADS, "storage")] = sum(outcomes.values())
+    hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
+    if hist:
+        f.histograms[(LOAD_SECONDS, "storage")] = hist
+
+
+def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
+    """(bytes, tokens, engine blocks) of the CPU tier from 0.33's config info; None each
+    where absent (0.32, or a mode without vLLM's CPU tier)."""
+    labels = first_labels(samples, CONFIG_INFO)
+    if labels is None:
+        return None, None, None
+
+    def number(name: str) -> int | None:
+        try:
+            return int(float(labels[name])) if labels.get(name) else None
+        except ValueError:
+            return None
+
+    chunks, per_chunk = number("cpu_num_chunks"), number("cpu_blocks_per_chunk")
+    blocks = chunks * per_chunk if chunks is not None and per_chunk is not None else None
+    return number("cpu_kv_cache_size_bytes"), number("cpu_kv_cache_size_tokens"), blocks
+
+
+def _capacity(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
+    gpu_used = total(samples, "vllm:kv_cache_usage_perc")
+    if gpu_used is not None:
+        f.gauges[(USED_PERCENT, "gpu")] = 100.0 * gpu_used
+    if "cpu" not in offloaded:
+        return
+    used = total(samples, "vllm:kv_offload_cpu_cache_usage_perc")
+    if used is not None:
+        f.gauges[(USED_PERCENT, "cpu")] = 100.0 * used
+    size, tokens, _ = cpu_capacity(samples)
+    if size is not None:
+        f.gauges[(CAPACITY_BYTES, "cpu")] = float(size)
+    if tokens is not None:
+        f.gauges[(CAPACITY_TOKENS, "cpu")] = float(tokens)
+    if size is None and tokens is None:
+        f.missing[(CAPACITY_BYTES, "cpu")] = (
+            f"{CONFIG_INFO} with cpu_* labels is absent (vLLM 0.32 does not export the "
+            "CPU tier's size; 0.33 does)")

