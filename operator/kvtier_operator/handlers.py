@@ -141,8 +141,17 @@ def _post(body: dict[str, Any], outcome: Outcome, config: OperatorConfig | None 
               if config is None or config.advice_due(meta.get("namespace", ""),
                                                      meta.get("name", ""), reason)]
     for kind, reason, message in [*outcome.events, *advice]:
-        # kopf annotates objs as kopf.Body but reads any mapping (.get), as plain dicts are.
-        kopf.event(body, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
+        try:
+            # kopf annotates objs as kopf.Body but reads any mapping (.get), as plain dicts
+            # are.
+            kopf.event(body, type=kind, reason=reason,  # type: ignore[arg-type]
+                       message=message)
+        except LookupError:
+            # Outside kopf's per-object processing (the drift loop is a task of our own)
+            # kopf has no event queue to post to: the same facts are in the status; say
+            # them in the log rather than fail the repair.
+            log.info("%s/%s %s %s: %s", meta.get("namespace"), meta.get("name"), kind,
+                     reason, message)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
