@@ -47,7 +47,8 @@ def observe_settings(env: dict[str, str]) -> ObserveSettings:
         max_bytes=int(get("MAX_BODY_BYTES", d.max_bytes)),
         max_series=int(get("MAX_SERIES", d.max_series)),
         concurrency=int(get("CONCURRENCY", d.concurrency)),
-        window=get("WINDOW_SECONDS", d.window))
+        window=get("WINDOW_SECONDS", d.window),
+        prometheus_url=env.get("KVTIER_OBSERVE_PROMETHEUS_URL") or None)
 
 
 def api_client() -> client.ApiClient:

@@ -21,7 +21,7 @@ import aiohttp
 
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.engines.figures import PodFigures
-from kvtier_operator.observe.page import parse
+from kvtier_operator.observe.page import Page, from_prometheus, parse, prometheus_query_url
 from kvtier_operator.observe.scrape import fetch
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
@@ -37,6 +37,9 @@ class ObserveSettings:
     max_series: int = 20000
     concurrency: int = 16
     window: float = 300.0  # seconds of increments the status sums
+    # Read the same series from this Prometheus (its HTTP API) instead of the pods; the
+    # series must carry the pod's `namespace` and `pod` labels (kubernetes_sd relabelling).
+    prometheus_url: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +93,9 @@ class Observer:
 
     async def _read(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore,
                     target: Target, cache: CacheTargets) -> tuple[PodFigures | None, str | None]:
+        families = cache.adapter.launcher.metric_families
+        if self.settings.prometheus_url:
+            return await self._read_prometheus(session, sem, target, cache, families)
         if target.url is None:
             return None, target.problem
         async with sem:
@@ -104,12 +110,36 @@ class Observer:
             cache.adapter.launcher.metric_families or None)
         if page.problem is not None:
             return None, f"{target.url}: {page.problem}"
+        return self._figures(page, target.url or "", cache)
+
+    async def _read_prometheus(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore,
+                               target: Target, cache: CacheTargets, families: frozenset[str]
+                               ) -> tuple[PodFigures | None, str | None]:
+        assert self.settings.prometheus_url is not None
+        url = prometheus_query_url(self.settings.prometheus_url, cache.namespace, target.pod,
+                                   families)
+        async with sem:
+            text, problem = await fetch(session, url, self.settings.timeout,
+                                        self.settings.max_bytes, accept="application/json")
+        if text is None:
+            return None, f"Prometheus: {problem}"
+        page = await asyncio.get_running_loop().run_in_executor(
+            self._parser, from_prometheus, text, self.settings.max_series)
+        if page.problem is not None:
+            return None, f"Prometheus, pod {target.pod}: {page.problem}"
+        if not page.samples:
+            return None, (f"Prometheus has no series of pod {target.pod} (is it scraped, "
+                          "with namespace and pod labels?)")
+        return self._figures(page, "Prometheus", cache)
+
+    def _figures(self, page: Page, where: str, cache: CacheTargets
+                 ) -> tuple[PodFigures | None, str | None]:
         figures = cache.adapter.launcher.read_metrics(page.samples, cache.offloaded)
         if figures is None:
             return None, None
         if page.non_finite:
             figures.missing.setdefault(("non_finite", ""), (
-                f"{page.non_finite} NaN or infinite value(s) on {target.url}: the figures "
+                f"{page.non_finite} NaN or infinite value(s) from {where}: the figures "
                 "they are part of are left out"))
         return figures, None
 

@@ -5,8 +5,11 @@ that touches one into an absent figure, never into a zero or a partial sum."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,5 +91,43 @@ def parse(text: str, max_series: int, families: frozenset[str] | None = None) ->
                     (dict(sample.labels), float(sample.value)))
     except (ValueError, TypeError, IndexError, KeyError) as err:
         page.problem = f"not Prometheus text: {str(err)[:120]}"
+        page.samples.clear()
+    return page
+
+
+def prometheus_query_url(base: str, namespace: str, pod: str, families: frozenset[str]) -> str:
+    """An instant query for one pod's series of the families a reader reads."""
+    names = "|".join(sorted(re.escape(f) for f in families)) or ".+"
+    query = (f'{{__name__=~"({names})({"|".join(_SUFFIXES)})?",'
+             f'namespace="{_quote(namespace)}",pod="{_quote(pod)}"}}')
+    return f"{base.rstrip('/')}/api/v1/query?{urlencode({'query': query})}"
+
+
+def _quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def from_prometheus(text: str, max_series: int) -> Page:
+    """Prometheus's instant-query answer as a page: sample name -> (labels, value)."""
+    page = Page()
+    try:
+        answer = json.loads(text)
+        if answer.get("status") != "success":
+            page.problem = f"Prometheus answered {str(answer.get('error'))[:120]}"
+            return page
+        result = answer["data"]["result"]
+        if len(result) > max_series:
+            page.problem = f"more than {max_series} series for the pod; read none"
+            return page
+        for series in result:
+            labels = dict(series["metric"])
+            name = labels.pop("__name__")
+            value = float(series["value"][1])
+            page.series += 1
+            if not math.isfinite(value):
+                page.non_finite += 1
+            page.samples.setdefault(name, []).append((labels, value))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        page.problem = f"not a Prometheus query answer: {str(err)[:120]}"
         page.samples.clear()
     return page

@@ -12,11 +12,12 @@ CHUNK = 64 * 1024
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
-                max_bytes: int) -> tuple[str | None, str | None]:
+                max_bytes: int, accept: str = "text/plain;version=0.0.4"
+                ) -> tuple[str | None, str | None]:
     """(page text, None) or (None, why not)."""
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.get(url, headers={"Accept": "text/plain;version=0.0.4",
+            async with session.get(url, headers={"Accept": accept,
                                                  "Accept-Encoding": "identity"},
                                    allow_redirects=False) as resp:
                 if resp.status != 200:

@@ -232,6 +232,9 @@ def test_the_helm_values_reach_the_settings_and_zero_turns_it_off():
     assert on.enabled and on.interval == 45 and on.max_series == 500 and on.timeout == 5
     assert not config_from_env({"KVTIER_OBSERVE_INTERVAL_SECONDS": "0"}).observe.enabled
     assert config_from_env({}).observe.interval == 30
+    assert config_from_env({}).observe.prometheus_url is None
+    assert config_from_env({"KVTIER_OBSERVE_PROMETHEUS_URL": "http://prom:9090"}
+                           ).observe.prometheus_url == "http://prom:9090"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in PAGES.glob("vllm-*.txt")))

@@ -114,3 +114,55 @@ async def test_hostile_endpoints_cost_only_their_own_read():
     assert "5 of 7 pod(s)" in status.metrics.message
     assert "NaN" in status.tiers[1].unobserved or any(
         "NaN" in why for why in obs.window.missing.values())
+
+
+def prometheus_answer(page_text: str, query: str, pod: str) -> dict:
+    """What a Prometheus that scraped the page (as pod `pod` in namespace ml) answers
+    to an instant query of the observer's form: the series built from the real page."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = re.search(r'__name__=~"([^"]+)"', query).group(1)
+    asked = re.search(r',pod="([^"]+)"', query).group(1)
+    assert 'namespace="ml"' in query
+    result = []
+    for family in text_string_to_metric_families(page_text):
+        for s in family.samples:
+            if asked == pod and re.fullmatch(names, s.name):
+                result.append({"metric": {"__name__": s.name, **s.labels, "namespace": "ml",
+                                          "pod": pod}, "value": [0, repr(s.value)]})
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+async def test_a_prometheus_url_reads_the_same_figures_as_the_pods():
+    pages = [(ROOT / "tests" / "fixtures" / "metrics" / f"vllm-0.32-gpu-direct-b-{n}.txt")
+             .read_text() for n in ("idle", "loaded")]
+    served = {"page": pages[0]}
+
+    async def query(request: web.Request) -> web.Response:
+        return web.json_response(prometheus_answer(served["page"], request.query["query"],
+                                                   "server-b"))
+
+    app = web.Application()
+    app.router.add_get("/prom/api/v1/query", query)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    tpc = parse_tpc(body({"cpu": None}))
+    cache = CacheTargets("ml", "cache", adapter_for(tpc.spec), ("storage",), (
+        Target("server-b", "b", None), Target("gone", "g", None)))
+    observer = Observer(ObserveSettings(timeout=TIMEOUT,
+                                        prometheus_url=f"http://127.0.0.1:{port}/prom"))
+    try:
+        await observer.observe([cache], "2026-11-27T00:00:00Z")
+        served["page"] = pages[1]
+        await observer.observe([cache], "2026-11-27T00:00:30Z")
+    finally:
+        await runner.cleanup()
+    obs = observer.snapshot("ml", "cache")
+    assert obs.pods_read == 1 and obs.pods_unreadable == 1
+    assert "Prometheus has no series of pod gone" in obs.problems[0]
+    status = observed_tiers(tpc, ("storage",), obs, None, enabled=True)
+    assert status.tiers[1].hit_percent == 96.0 and status.recompute.percent == 4.0
