@@ -4,7 +4,7 @@ Same directory, same block sizes, same total thread count, O_DIRECT wherever the
 filesystem takes it (both probe it). kvtier computes and verifies a 64-bit digest per block;
 vLLM's tier (its fs_io_C extension where built) writes and reads raw bytes. The raw
 device figure is one sequential O_DIRECT stream over one file, no per-block files.
-Both systems run through the storage probe's own functions (kvtier_offload.probe: rows
+Both systems run through the storage probe's own functions (kvtier_offload.volume_probe: rows
 of one page-aligned array, one job or call per thread's share), so `python -m
 kvtier_offload probe --vllm` on a volume measures what this measures there.
 """
@@ -19,9 +19,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvtier_offload import probe
-from kvtier_offload.probe import Arena, vllm_paths  # noqa: F401 (floor imports it here)
+from kvtier_offload import volume_probe as probe
 from kvtier_offload.store import probe_o_direct
+from kvtier_offload.volume_probe import Arena, vllm_paths  # noqa: F401 (floor imports it here)
 
 TOTAL = int(os.environ.get("KVTIER_BENCH_STORE_BYTES", str(2 << 30)))
 THREADS = int(os.environ.get("KVTIER_BENCH_THREADS", "16"))

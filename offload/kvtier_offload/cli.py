@@ -86,7 +86,7 @@ def install(target: str) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from kvtier_offload.probe import probe, vllm_available
+    from kvtier_offload.volume_probe import probe, vllm_available
 
     if args.vllm and not vllm_available():
         print("--vllm: vLLM (its fs tier, 0.32) is not installed here", file=sys.stderr)

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier_offload.admission import WriteAdmission
 from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header, encode_header
@@ -48,6 +47,7 @@ from kvtier_offload.jobs import Job, JobOutcome, JobTable, time_left
 from kvtier_offload.layout import FORMAT_DIR, SUFFIX, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
 from kvtier_offload.metrics import Metrics
+from kvtier_offload.write_admission import WriteAdmission
 
 log = logging.getLogger("kvtier_offload")
 

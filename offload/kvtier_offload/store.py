@@ -37,7 +37,6 @@ import numpy as np
 
 from kvtier_offload import batchio, native
 from kvtier_offload import digest as payload_digest
-from kvtier_offload.admission import WriteAdmission
 from kvtier_offload.buffers import BlockBuffers, BufferList, RowArray
 from kvtier_offload.capacity import BoundedFiles
 from kvtier_offload.digest import digest
@@ -49,6 +48,7 @@ from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
 from kvtier_offload.metrics import Metrics, observe_all
 from kvtier_offload.probes import file_seconds, probe_o_direct
+from kvtier_offload.write_admission import WriteAdmission
 
 __all__ = ["BATCH_BYTES", "MEMORY_SPEED_SECONDS", "PIECE", "WAIT_SECONDS", "BlockStore",
            "JobOutcome", "NoDigest", "StoreConfig", "hot_path", "probe_memory_speed",

@@ -30,7 +30,7 @@ def test_worked_example_row_matches_code(model):
                                         "layers": LAYERS[model], "kvHeads": 8, "headDim": 128,
                                         "dtype": "bfloat16"}})).spec
     fresh, resized = sizing.pod_sizing(spec, None), sizing.pod_sizing(spec, 20 * GIB)
-    assert _num(cells[1]) == sizing.chunk_bytes(spec) / MIB
+    assert _num(cells[1]) == sizing.block_bytes(spec) / MIB
     assert _num(cells[2]) == sizing.io_buffer_bytes(spec) / GIB
     assert _num(cells[3]) == fresh.shm_bytes / GIB
     assert _num(cells[4]) == fresh.memory_increase_bytes / GIB

@@ -22,7 +22,7 @@ def test_base_is_valid_and_defaults_apply():
     assert s.connector == "native"
     assert adapter_for(s).storage_backend(s) == StorageBackend.kvtier
     assert s.storage.mount_path == "/mnt/files-storage"
-    assert s.storage.block_size is None and s.storage.file_tokens == 256
+    assert s.storage.block_size is None and s.storage.block_tokens == 256
     assert s.storage.pvc.access_modes == ["ReadWriteMany"]
     assert s.storage.pvc.delete_policy == "Retain"
     assert (s.eviction.high_watermark, s.eviction.low_watermark) == (85, 70)

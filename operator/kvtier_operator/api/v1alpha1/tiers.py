@@ -189,7 +189,7 @@ class StorageTier(ApiModel):
         return None if self.host_staging is None else quantity_bytes(self.host_staging)
 
     @property
-    def file_tokens(self) -> int:
+    def block_tokens(self) -> int:
         """Tokens per file with a CPU tier (vLLM's block_size for the tiers)."""
         return self.block_size if self.block_size is not None else DEFAULT_FILE_TOKENS
 

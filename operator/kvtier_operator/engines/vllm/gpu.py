@@ -123,7 +123,7 @@ class VllmNative(Adapter):
             extra = {
                 "spec_name": "TieringOffloadingSpec",
                 **extra,
-                "block_size": storage.file_tokens,
+                "block_size": storage.block_tokens,
                 "secondary_tiers": [tier],
             }
         return {
@@ -232,7 +232,7 @@ class VllmLmcache(Adapter):
         if spec.storage is not None:
             env["LMCACHE_LOCAL_DISK"] = f"file://{spec.storage.mount_path}/{LMCACHE_DISK_DIR}/"
             env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = str(sizing.lmcache_disk_gb(spec))
-            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.file_tokens)
+            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.block_tokens)
         return env
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,

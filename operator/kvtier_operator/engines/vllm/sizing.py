@@ -31,9 +31,9 @@ PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
                   "--data-parallel-size": "dp", "-dp": "dp"}
 
 
-def chunk_bytes(spec: TieredPrefixCacheSpec) -> int:
+def block_bytes(spec: TieredPrefixCacheSpec) -> int:
     """Bytes of one offloaded file's KV payload (storage.blockSize tokens)."""
-    block = spec.storage.file_tokens if spec.storage else 16
+    block = spec.storage.block_tokens if spec.storage else 16
     return block * spec.model.bytes_per_token
 
 
@@ -52,7 +52,7 @@ def io_buffer_bytes(spec: TieredPrefixCacheSpec) -> int:
         return 0
     assert spec.storage is not None
     threads = spec.storage.read_threads + spec.storage.write_threads
-    return threads * chunk_bytes(spec)
+    return threads * block_bytes(spec)
 
 
 def staging_bytes(spec: TieredPrefixCacheSpec) -> int:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier_offload import admission
-from kvtier_offload.admission import WriteAdmission
+from kvtier_offload import write_admission as admission
+from kvtier_offload.write_admission import WriteAdmission
 
 MiB = 1 << 20
 

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from kvtier_offload import batchio, probe
+from kvtier_offload import batchio
+from kvtier_offload import volume_probe as probe
 from kvtier_offload.buffers import RowArray
 from kvtier_offload.cli import main
 from kvtier_offload.store import BlockStore
