@@ -108,8 +108,8 @@ def openapi_schema() -> dict[str, Any]:
     status = _schema_of(TieredPrefixCacheStatus)
     return {
         "type": "object",
-        "description": "A tiered prefix (KV) cache for vLLM model servers: GPU HBM, CPU RAM "
-        "and an optional shared filesystem volume.",
+        "description": "A tiered prefix (KV) cache for vLLM and SGLang model servers: GPU "
+        "HBM, CPU RAM and an optional shared filesystem volume.",
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string", "description": "kvtier.dev/v1alpha1"},

@@ -281,7 +281,8 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
-    router, router_name = render_router_configmap(tpc), names.router_configmap_name(tpc)
+    router = render_router_configmap(tpc, ctx.observed_cpu_blocks)
+    router_name = names.router_configmap_name(tpc)
     router_error = _apply_owned(tpc, gw, router, "ConfigMap", router_name, events) or \
         _drop_renamed(tpc, gw, "ConfigMap", "router", router_name if router else None, events)
     digest = config_hash(tpc, ctx)

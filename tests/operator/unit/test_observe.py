@@ -189,8 +189,9 @@ def test_a_cache_whose_pods_export_their_cpu_capacity_gives_it_to_the_renderers(
     assert cpu.capacity_bytes == 2684354560 and cpu.capacity_tokens == 1310720
     capacity = out.status.router_capacity
     assert capacity is not None
-    used = capacity.cpu_blocks == out.render_context.observed_cpu_blocks
-    assert capacity.source == ("engine" if used else "computed")
+    # the router's CPU LRU is the engine's own number, and status says so
+    assert capacity.source == "engine"
+    assert capacity.cpu_blocks == out.render_context.observed_cpu_blocks
     # without the export: no observed figure, the computed capacity
     plain = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=None, observing=True)
     assert plain.render_context.observed_cpu_blocks is None
