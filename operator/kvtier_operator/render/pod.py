@@ -9,6 +9,7 @@ the caller can report them instead of silently rewriting a pod.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,19 @@ def _memory(resources: dict[str, Any], increase: int) -> None:
         requests["memory"] = format_bytes(increase)
     if not requests:
         resources.pop("requests")
+
+
+def _devices(resources: dict[str, Any], wanted: Mapping[str, str]) -> None:
+    """Request and limit each extended resource the container does not ask for yet (an
+    extended resource's request must equal its limit)."""
+    for name, count in wanted.items():
+        limits = resources.get("limits") or {}
+        requests = resources.get("requests") or {}
+        have = limits.get(name, requests.get(name))
+        if have is not None:
+            continue  # the pod's own count stands
+        resources.setdefault("limits", {})[name] = count
+        resources.setdefault("requests", {})[name] = count
 
 
 def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: list[str]) -> None:
@@ -266,6 +280,7 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container.setdefault("resources", {}), increase)
+    _devices(container["resources"], plan.device_resources)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)
