@@ -163,7 +163,7 @@ class SglangSettings(ApiModel):
         "the evictor deleted may look present that long; a missed page is recomputed.",
     )
     metadata_cache_ttl_seconds: float = Field(
-        default=5.0, gt=0, le=3600,
+        default=5.0, gt=0, le=3600, alias="metadataCacheTTLSeconds",
         description="How long the file backend trusts its metadata cache, in seconds "
         "(SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL; 5 as in llm-d's guide).",
     )
