@@ -304,3 +304,59 @@ def test_kvbm_cpu_cache_read_back_as_whole_decimal_gb():
         assert tpc.spec.cpu_bytes - 10**9 < pool <= tpc.spec.cpu_bytes, size
         sizing = adapter_for(tpc.spec).pod_sizing(tpc.spec, None, {}, PodRole.server)
         assert sizing.memory_increase_bytes >= pool
+
+
+def _lmcache_function(source: str, name: str):
+    """One top-level function of LMCache's source, defined alone (its module imports
+    LMCache's runtime, which is not installed here)."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    scope: dict = {"Optional": object}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), name, "exec"), scope)
+    return scope[name]
+
+
+def _lmcache_env_converter(config_source: str, setting: str):
+    """The env_converter LMCache's config table gives one setting (a lambda)."""
+    for node in ast.walk(ast.parse(config_source)):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == setting and \
+                        isinstance(value, ast.Dict):
+                    for k, v in zip(value.keys, value.values, strict=True):
+                        if isinstance(k, ast.Constant) and k.value == "env_converter":
+                            return eval(ast.unparse(v), {"json": json})
+    raise AssertionError(f"LMCache's config no longer converts {setting} from env")
+
+
+def test_lmcache_disk_settings_read_back_as_lmcache_reads_them():
+    # The disk tier as llm-d's guide sets it: LMCACHE_LOCAL_DISK a file:// URL of a
+    # directory on the shared volume, O_DIRECT through LMCACHE_EXTRA_CONFIG, LMCache's
+    # metrics in PROMETHEUS_MULTIPROC_DIR. Each value kvtier renders, read with LMCache's
+    # own parsers, is what kvtier means: the evictor's lmcache directory, use_odirect a
+    # real boolean (LMCache tests it for truth), the directory kvtier mounts an emptyDir on.
+    root = LMCACHE_SOURCE / "lmcache"
+    if not root.exists():
+        pytest.skip(NEEDS)
+    from kvtier_operator.engines.vllm import gpu
+
+    base = (root / "v1" / "config_base.py").read_text()
+    config = (root / "v1" / "config.py").read_text()
+    disk = (root / "v1" / "storage_backend" / "local_disk_backend.py").read_text()
+    observability = (root / "observability.py").read_text()
+    parse_local_disk = _lmcache_function(base, "_parse_local_disk")
+    assert '"env_converter": _parse_local_disk' in config
+    extra = _lmcache_env_converter(config, "extra_config")
+    for direct in (None, True, False):
+        storage = {"maxSizePerReplica": "500G", "pvc": {"size": "1000G"}}
+        if direct is not None:
+            storage["directIO"] = direct
+        tpc = parse_tpc(tpc_doc({"connector": "lmcache", "storage": storage}))
+        env = connector_env(tpc)
+        assert parse_local_disk(env["LMCACHE_LOCAL_DISK"]).rstrip("/") == \
+            gpu.lmcache_disk_dir(tpc.spec.storage.mount_path) == "/mnt/files-storage/lmcache"
+        parsed = extra(env["LMCACHE_EXTRA_CONFIG"])
+        assert 'config.extra_config.get("use_odirect", False)' in disk
+        assert bool(parsed.get("use_odirect", False)) is (direct is not False)
+    assert 'os.environ.get("PROMETHEUS_MULTIPROC_DIR")' in observability
+    assert f'"{gpu.LMCACHE_PROMETHEUS_DIR}"' in observability  # LMCache's own default too

@@ -151,6 +151,13 @@ class StorageTier(ApiModel):
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
         "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
     )
+    direct_io: bool | None = Field(
+        default=None, alias="directIO",
+        description="LMCache only: its disk files written and read with O_DIRECT "
+        "(use_odirect in LMCACHE_EXTRA_CONFIG), bypassing the page cache; default true, as "
+        "in llm-d's guide. Set false where the filesystem refuses O_DIRECT (tmpfs, some "
+        "FUSE filesystems).",
+    )
     host_staging_size: Quantity | None = Field(
         default=None,
         description="Without a CPU tier only: the pinned host memory each vLLM worker process "

@@ -126,7 +126,8 @@ class SglangHicache(Adapter):
             for field, value in (("blockSize", s.block_size),
                                  ("hostStagingSize", s.host_staging_size),
                                  ("stagingSize", s.staging_size),
-                                 ("maxSizePerReplica", s.max_size_per_replica)):
+                                 ("maxSizePerReplica", s.max_size_per_replica),
+                                 ("directIO", s.direct_io)):
                 if value is not None:
                     raise ValueError(
                         f"spec.storage.{field} does not apply to engine sglang (a shared-tier "
