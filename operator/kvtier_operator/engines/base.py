@@ -285,6 +285,11 @@ class Adapter(ABC):
         return False
 
     # ------------------------------------------------- evictor, router, status
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        """The directory the engine writes the shared tier in, relative to
+        spec.storage.mountPath ('': the mount itself); what prepareDirectory prepares."""
+        return ""
+
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         """The evictor's --layout for the shared tier; None: no evictor CronJob (no
         shared tier, or the engine evicts on its own)."""

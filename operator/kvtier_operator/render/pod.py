@@ -228,6 +228,45 @@ def init_container(image: str, pull_policy: str) -> dict[str, Any]:
     }
 
 
+def prepare_container(plan: PodPlan) -> dict[str, Any]:
+    """The opt-in init container that prepares the tier's directory on a fresh volume
+    (spec.storage.permissions.prepareDirectory; kvtier_offload/tier_dir.py). Root, since
+    the volume's root is root's; only the capabilities to create one directory in it,
+    give it to the group and set its mode, nothing else."""
+    assert plan.prepare_command is not None and plan.mount_path is not None
+    return {
+        "name": names.PREPARE_CONTAINER,
+        "image": plan.prepare_image,
+        "imagePullPolicy": plan.image_pull_policy,
+        "command": list(plan.prepare_command),
+        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": plan.mount_path}],
+        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def _fs_group(pod_spec: dict[str, Any], group: int, conflicts: list[str]) -> None:
+    security = pod_spec.setdefault("securityContext", {})
+    have = security.get("fsGroup")
+    if have is not None and have != group:
+        conflicts.append(
+            f"the pod sets securityContext.fsGroup {have}; spec.storage.permissions.fsGroup "
+            f"is {group}: make them agree")
+        return
+    security["fsGroup"] = group
+    # Where the driver applies fsGroup, only a volume whose root is not the group's yet is
+    # walked (a shared volume may hold millions of files).
+    security.setdefault("fsGroupChangePolicy", "OnRootMismatch")
+
+
 def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
            workload: dict[str, Any] | None = None) -> Injection:
     """inject_plan with the cache's plan (computed here: callers that inject many pods
@@ -289,6 +328,12 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
         _add_volume(pod_spec, extra.volume, conflicts)
         _mount(container, extra.volume["name"], extra.mount_path, conflicts,
                read_only=extra.read_only)
+    if plan.fs_group is not None:
+        _fs_group(pod_spec, plan.fs_group, conflicts)
+    if plan.prepare_command is not None:
+        inits = pod_spec.setdefault("initContainers", [])
+        if not any(c.get("name") == names.PREPARE_CONTAINER for c in inits):
+            inits.insert(0, prepare_container(plan))
     if plan.offload_image is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
         _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)

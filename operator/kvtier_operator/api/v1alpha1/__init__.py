@@ -91,6 +91,7 @@ from kvtier_operator.api.v1alpha1.tiers import (
     DeletePolicy,
     StorageBackend,
     StorageTier,
+    TierPermissions,
 )
 
 __all__ = [
@@ -152,6 +153,7 @@ __all__ = [
     "StorageBackend",
     "StorageClassName",
     "StorageTier",
+    "TierPermissions",
     "TierStatus",
     "TierWeights",
     "TieredPrefixCache",

@@ -163,6 +163,9 @@ class SglangHicache(Adapter):
         return pinned_process_sizing(
             spec.cpu_bytes + sglang_hicache.HOST_MEMORY_RESERVE_BYTES, existing_shm_bytes)
 
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        return sglang_hicache.STORAGE_DIR
+
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         return EVICTOR_LAYOUT if spec.storage is not None else None
 

@@ -259,6 +259,9 @@ class VllmLmcache(Adapter):
             env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"use_odirect": direct})
         return env
 
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        return LMCACHE_DISK_DIR
+
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return [ExtraVolume(volume={"name": PROMETHEUS_VOLUME, "emptyDir": {}},
                             mount_path=LMCACHE_PROMETHEUS_DIR, read_only=False)]
