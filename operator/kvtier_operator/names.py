@@ -22,6 +22,7 @@ VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
 INIT_CONTAINER = "kvtier-offload-install"
+PREPARE_CONTAINER = "kvtier-prepare-tier"  # spec.storage.permissions.prepareDirectory
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
 # removes the regions a killed engine left behind, then execs the engine's command
 # (offload/kvtier_offload/shm_sweep.py).

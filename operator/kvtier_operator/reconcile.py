@@ -188,6 +188,9 @@ def check_prerequisites(tpc: TieredPrefixCache, gw: Gateway) -> Cond:
             missing.append(f"{what} does not exist")
         elif need.key is not None and need.key not in (live.get("data") or {}):
             missing.append(f"{what} has no key {need.key!r}")
+        elif need.key is not None and need.check is not None:
+            text = str((live.get("data") or {})[need.key])
+            missing += [f"{what} key {need.key!r}: {p}" for p in need.check(text)]
     return prerequisites_condition(missing, unknown, len(wanted))
 
 

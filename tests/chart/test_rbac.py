@@ -79,10 +79,13 @@ async def drive(kmock) -> None:
     kmock.objects["v1/pods", NS, "delta-0"] = stale
     digest = config_hash(parse_tpc(doc), CTX)
     # A Mooncake cache: the operator checks its ConfigMap and master Service exist.
+    # (Its SSD variant: the client DaemonSet too.)
     moon = tpc_doc({"selector": {"matchLabels": {"app": "moon"}}, "storage": None,
                     "connector": "mooncake-store", "mooncake": {
                         "configMapName": "mooncake-config",
-                        "masterService": {"name": "mooncake-master", "namespace": "mooncake"}}},
+                        "masterService": {"name": "mooncake-master", "namespace": "mooncake"},
+                        "offload": {"clientDaemonSet": {"name": "mooncake-client",
+                                                        "namespace": "mooncake"}}}},
                    name="moon", namespace=NS)
     moon["metadata"].update(uid="u-2", generation=1)
     kmock.objects[TPC, NS, "moon"] = moon
@@ -136,7 +139,8 @@ async def test_role_grants_every_call_the_operator_makes(kmock):
                      ("patch", "leaderworkerset.x-k8s.io", "leaderworkersets"),
                      ("delete", "batch", "cronjobs"), ("patch", "kvtier.dev",
                                                        "tieredprefixcaches/status"),
-                     ("watch", "", "pods"), ("get", "apps", "replicasets")]:
+                     ("watch", "", "pods"), ("get", "apps", "replicasets"),
+                     ("get", "apps", "daemonsets")]:
         assert expected in calls, expected
     missing = sorted(calls - granted())
     assert missing == [], f"the chart's ClusterRole lacks: {missing}"

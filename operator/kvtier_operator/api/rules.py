@@ -87,6 +87,12 @@ STORAGE_CLASS_NAME = dns_subdomain("StorageClass name")
 CONFIG_MAP_NAME = dns_subdomain("ConfigMap name")
 NAMESPACE = dns_label("namespace")
 SERVICE_NAME = dns_label("Service name")
+DAEMON_SET_NAME = dns_subdomain("DaemonSet name")
+# An extended resource a device plugin advertises (rdma/ib): prefix/name, as a label key
+# but with the prefix required. It reaches the pod's resources, never a shell.
+RESOURCE_NAME = Rule(f"^{_SUBDOMAIN}/{_LABEL_NAME}$", 253 + 1 + 63,
+                     "must be an extended resource name: a DNS-1123 subdomain prefix, '/' "
+                     "and a name of letters, digits, '-', '_' and '.' (e.g. rdma/ib)")
 # Where the evictor publishes KV events (a ZMQ endpoint it connects to): tcp, a host name
 # or IPv4 address, a port. It reaches the evictor's argv (never a shell).
 ZMQ_ENDPOINT = Rule(r"^tcp://[A-Za-z0-9]([-.A-Za-z0-9]{0,251}[A-Za-z0-9])?:[0-9]{1,5}$", 272,

@@ -13,6 +13,7 @@ Adapters are pure, like every renderer: spec in, values out.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -66,11 +67,13 @@ class Prerequisite:
     """An object the engine needs that someone else manages; the operator checks it exists
     and names it in the PrerequisitesReady condition instead of letting pods crash-loop."""
 
-    kind: str  # "ConfigMap" | "Service"
+    kind: str  # "ConfigMap" | "Service" | "DaemonSet"
     namespace: str
     name: str
     field: str  # the spec field that names it, e.g. spec.mooncake.configMapName
     key: str | None = None  # a ConfigMap key that must be present
+    # What is wrong with that key's text (pure, bounded; empty: nothing).
+    check: Callable[[str], list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,11 @@ class Adapter(ABC):
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []
 
+    def device_resources(self, spec: TieredPrefixCacheSpec) -> dict[str, str]:
+        """Extended resources (a device plugin's, e.g. rdma/ib) the model-server container
+        requests and limits; a container that already asks for one keeps its count."""
+        return {}
+
     def sweeps_shm(self, spec: TieredPrefixCacheSpec) -> bool:
         """Whether the engine keeps a region in /dev/shm that a killed engine leaves
         behind: its command is then prefixed with kvtier's sweep (needs the offload
@@ -277,6 +285,11 @@ class Adapter(ABC):
         return False
 
     # ------------------------------------------------- evictor, router, status
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        """The directory the engine writes the shared tier in, relative to
+        spec.storage.mountPath ('': the mount itself); what prepareDirectory prepares."""
+        return ""
+
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         """The evictor's --layout for the shared tier; None: no evictor CronJob (no
         shared tier, or the engine evicts on its own)."""

@@ -9,6 +9,7 @@ the caller can report them instead of silently rewriting a pod.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,19 @@ def _memory(resources: dict[str, Any], increase: int) -> None:
         requests["memory"] = format_bytes(increase)
     if not requests:
         resources.pop("requests")
+
+
+def _devices(resources: dict[str, Any], wanted: Mapping[str, str]) -> None:
+    """Request and limit each extended resource the container does not ask for yet (an
+    extended resource's request must equal its limit)."""
+    for name, count in wanted.items():
+        limits = resources.get("limits") or {}
+        requests = resources.get("requests") or {}
+        have = limits.get(name, requests.get(name))
+        if have is not None:
+            continue  # the pod's own count stands
+        resources.setdefault("limits", {})[name] = count
+        resources.setdefault("requests", {})[name] = count
 
 
 def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: list[str]) -> None:
@@ -214,6 +228,45 @@ def init_container(image: str, pull_policy: str) -> dict[str, Any]:
     }
 
 
+def prepare_container(plan: PodPlan) -> dict[str, Any]:
+    """The opt-in init container that prepares the tier's directory on a fresh volume
+    (spec.storage.permissions.prepareDirectory; kvtier_offload/tier_dir.py). Root, since
+    the volume's root is root's; only the capabilities to create one directory in it,
+    give it to the group and set its mode, nothing else."""
+    assert plan.prepare_command is not None and plan.mount_path is not None
+    return {
+        "name": names.PREPARE_CONTAINER,
+        "image": plan.prepare_image,
+        "imagePullPolicy": plan.image_pull_policy,
+        "command": list(plan.prepare_command),
+        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": plan.mount_path}],
+        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def _fs_group(pod_spec: dict[str, Any], group: int, conflicts: list[str]) -> None:
+    security = pod_spec.setdefault("securityContext", {})
+    have = security.get("fsGroup")
+    if have is not None and have != group:
+        conflicts.append(
+            f"the pod sets securityContext.fsGroup {have}; spec.storage.permissions.fsGroup "
+            f"is {group}: make them agree")
+        return
+    security["fsGroup"] = group
+    # Where the driver applies fsGroup, only a volume whose root is not the group's yet is
+    # walked (a shared volume may hold millions of files).
+    security.setdefault("fsGroupChangePolicy", "OnRootMismatch")
+
+
 def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
            workload: dict[str, Any] | None = None) -> Injection:
     """inject_plan with the cache's plan (computed here: callers that inject many pods
@@ -266,6 +319,7 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container.setdefault("resources", {}), increase)
+    _devices(container["resources"], plan.device_resources)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)
@@ -274,6 +328,12 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
         _add_volume(pod_spec, extra.volume, conflicts)
         _mount(container, extra.volume["name"], extra.mount_path, conflicts,
                read_only=extra.read_only)
+    if plan.fs_group is not None:
+        _fs_group(pod_spec, plan.fs_group, conflicts)
+    if plan.prepare_command is not None:
+        inits = pod_spec.setdefault("initContainers", [])
+        if not any(c.get("name") == names.PREPARE_CONTAINER for c in inits):
+            inits.insert(0, prepare_container(plan))
     if plan.offload_image is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
         _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)

@@ -162,7 +162,11 @@ def test_cel_rules_exist_for_cross_field_checks():
                            "spec.router.configMapName", "spec.mooncake.configMapName",
                            "spec.router.evictionEventsEndpoint",
                            "spec.mooncake.configKey", "spec.mooncake.masterService.name",
-                           "spec.mooncake.masterService.namespace"}
+                           "spec.mooncake.masterService.namespace",
+                           "spec.mooncake.rdmaResource",
+                           "spec.mooncake.offload.clientDaemonSet.name",
+                           "spec.mooncake.offload.clientDaemonSet.namespace",
+                           "spec.mooncake.offload.rootDir"}
 
 
 @pytest.mark.slow

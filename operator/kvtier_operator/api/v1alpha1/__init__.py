@@ -51,10 +51,14 @@ from kvtier_operator.api.v1alpha1.selector import (
 )
 from kvtier_operator.api.v1alpha1.settings import (
     Connector,
+    DaemonSetRef,
     Engine,
+    MooncakeOffload,
+    MooncakeProtocol,
     MooncakeSettings,
     ServiceRef,
     SglangIoBackend,
+    SglangPrefetchPolicy,
     SglangSettings,
     SglangWritePolicy,
     TpuSettings,
@@ -87,6 +91,7 @@ from kvtier_operator.api.v1alpha1.tiers import (
     DeletePolicy,
     StorageBackend,
     StorageTier,
+    TierPermissions,
 )
 
 __all__ = [
@@ -111,6 +116,7 @@ __all__ = [
     "Connector",
     "ContainerName",
     "CpuTier",
+    "DaemonSetRef",
     "DeletePolicy",
     "Engine",
     "Eviction",
@@ -123,6 +129,8 @@ __all__ = [
     "MapLabelKey",
     "ModelGeometry",
     "ModelName",
+    "MooncakeOffload",
+    "MooncakeProtocol",
     "MooncakeSettings",
     "MountPath",
     "Namespace",
@@ -139,11 +147,13 @@ __all__ = [
     "ServiceName",
     "ServiceRef",
     "SglangIoBackend",
+    "SglangPrefetchPolicy",
     "SglangSettings",
     "SglangWritePolicy",
     "StorageBackend",
     "StorageClassName",
     "StorageTier",
+    "TierPermissions",
     "TierStatus",
     "TierWeights",
     "TieredPrefixCache",

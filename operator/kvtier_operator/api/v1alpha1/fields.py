@@ -64,6 +64,10 @@ ContainerName: TypeAlias = Annotated[
     str, AfterValidator(rules.CONTAINER_NAME.check), rule_schema(rules.CONTAINER_NAME)]
 ServiceName: TypeAlias = Annotated[
     str, AfterValidator(rules.SERVICE_NAME.check), rule_schema(rules.SERVICE_NAME)]
+DaemonSetName: TypeAlias = Annotated[
+    str, AfterValidator(rules.DAEMON_SET_NAME.check), rule_schema(rules.DAEMON_SET_NAME)]
+ResourceName: TypeAlias = Annotated[
+    str, AfterValidator(rules.RESOURCE_NAME.check), rule_schema(rules.RESOURCE_NAME)]
 Namespace: TypeAlias = Annotated[
     str, AfterValidator(rules.NAMESPACE.check), rule_schema(rules.NAMESPACE)]
 ConfigMapKey: TypeAlias = Annotated[

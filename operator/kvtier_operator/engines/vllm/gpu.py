@@ -3,6 +3,7 @@ or, without a CPU tier, kvtier's own offloading spec straight to files) and LMCa
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from kvtier_operator.api.v1alpha1 import (
@@ -14,7 +15,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
+from kvtier_operator.engines.base import Adapter, ExtraVolume, NoCpuTier, PodRole
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.sizing import PodSizing
 from kvtier_operator.engines.versions import Asked
@@ -39,7 +40,12 @@ KVTIER_SPEC_NAME = "KvtierOffloadingSpec"
 KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
 KVTIER_CONNECTOR = "KvtierOffloadingConnector"
 KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
-LMCACHE_DISK_DIR = "lmcache"
+LMCACHE_DISK_DIR = "lmcache"  # below the volume mount; the evictor's `lmcache` layout
+# Where LMCache's processes keep their Prometheus files (LMCache's own default and llm-d's
+# guide), on an emptyDir: fresh for each pod, writable whatever the root filesystem.
+ENV_PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+LMCACHE_PROMETHEUS_DIR = "/tmp/lmcache_prometheus"
+PROMETHEUS_VOLUME = "kvtier-lmcache-prometheus"
 NO_CPU_TIER_NEEDS_STORAGE = (
     "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
     "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
@@ -89,6 +95,11 @@ class VllmNative(Adapter):
             raise ValueError(
                 "storage.maxSizePerReplica applies to connector lmcache only; remove it "
                 "(the evictor bounds the native tiers)"
+            )
+        if s is not None and s.direct_io is not None:
+            raise ValueError(
+                "storage.directIO applies to connector lmcache only; remove it (kvtier's "
+                "backend probes O_DIRECT itself, vLLM's fs tier does not use it)"
             )
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
@@ -156,6 +167,11 @@ class VllmNative(Adapter):
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         # Without a CPU tier the files are every replica's: they do not steer routing.
         return None if spec.no_cpu_tier else super().router_cpu_blocks(spec)
+
+
+def lmcache_disk_dir(mount_path: str) -> str:
+    """LMCache's disk tier directory on the shared volume (its own, below the mount)."""
+    return f"{mount_path.rstrip('/')}/{LMCACHE_DISK_DIR}"
 
 
 def kv_events_config(tpc: TieredPrefixCache) -> dict[str, Any] | None:
@@ -229,11 +245,26 @@ class VllmLmcache(Adapter):
         env = super().env(tpc, role)
         env["LMCACHE_LOCAL_CPU"] = "True"
         env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = str(sizing.lmcache_cpu_gb(spec))
-        if spec.storage is not None:
-            env["LMCACHE_LOCAL_DISK"] = f"file://{spec.storage.mount_path}/{LMCACHE_DISK_DIR}/"
+        # LMCache's metrics from every process (vLLM's workers and the API server) meet
+        # in one directory, an emptyDir of the pod's (extra_volumes).
+        env[ENV_PROMETHEUS_DIR] = LMCACHE_PROMETHEUS_DIR
+        storage = spec.storage
+        if storage is not None:
+            env["LMCACHE_LOCAL_DISK"] = f"file://{lmcache_disk_dir(storage.mount_path)}/"
             env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = str(sizing.lmcache_disk_gb(spec))
-            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.block_tokens)
+            env["LMCACHE_CHUNK_SIZE"] = str(storage.block_tokens)
+            # LMCache tests use_odirect for truth: a JSON boolean, never a string ("False"
+            # would be true).
+            direct = True if storage.direct_io is None else storage.direct_io
+            env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"use_odirect": direct})
         return env
+
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        return LMCACHE_DISK_DIR
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        return [ExtraVolume(volume={"name": PROMETHEUS_VOLUME, "emptyDir": {}},
+                            mount_path=LMCACHE_PROMETHEUS_DIR, read_only=False)]
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
