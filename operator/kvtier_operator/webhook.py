@@ -173,6 +173,29 @@ class _Deadlines(asyncio.Protocol):
 
 
 _WATCHED = web.AppKey("kvtier_deadlines", dict)
+MAX_FAILURES_REMEMBERED = 100  # distinct failure sites whose traceback was logged
+
+
+class _FailureLog:
+    """A failed admission's traceback goes to the log once per place it failed (its
+    stack); later failures there are one line at DEBUG, so a client cannot flood the
+    log by repeating a request."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def report(self, path: str, problem: str) -> None:
+        lines = problem.rstrip().splitlines()
+        site = "\n".join(line for line in lines if line.lstrip().startswith("File "))
+        site += "\n" + (lines[-1].split(":", 1)[0] if lines else "")
+        if site in self._seen:
+            log.debug("admission to %s failed again at a known place: %s", path,
+                      lines[-1][:200] if lines else "")
+            return
+        if len(self._seen) < MAX_FAILURES_REMEMBERED:
+            self._seen.add(site)
+        log.error("admission to %s failed (answered without a change or denied; further "
+                  "failures at this place are logged at DEBUG):\n%s", path, problem)
 
 
 def _deadlines(request: web.Request) -> _Deadlines | None:
@@ -205,6 +228,7 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
     lanes = lanes or AdmissionLanes()
 
     free = BODY_BUDGET  # bytes of request bodies not yet reserved
+    failures = _FailureLog()
 
     async def review(request: web.Request, path: str) -> web.Response:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -245,8 +269,7 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
         for (namespace, cache, pod), why in reasons.items():
             conflicts.record(namespace, cache, pod, "; ".join(why))
         if outcome.problem:
-            log.error("admission to %s failed (answered without a change or denied):\n%s",
-                      path, outcome.problem)
+            failures.report(path, outcome.problem)
         log.debug("%s answered %d in %.1f ms", path, outcome.status,
                   (time.perf_counter() - started) * 1e3)
         return web.Response(body=outcome.body, status=outcome.status,
