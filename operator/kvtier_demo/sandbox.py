@@ -75,6 +75,9 @@ def gateway_for(kmock: Any) -> Gateway:
     return SandboxGateway(api, retries=2, backoff=0.01)
 
 
+DEMO_REFERENCE_NAMESPACES = frozenset({"mooncake"})
+
+
 @contextlib.asynccontextmanager
 async def operator(kmock: Any, render: RenderContext, drift_interval: float = 3600.0,
                    retry_delay: float = 0.2,
@@ -89,8 +92,11 @@ async def operator(kmock: Any, render: RenderContext, drift_interval: float = 36
         return kopf.ConnectionInfo(server=str(kmock.url))
 
     gw = gateway_for(kmock)
+    # The examples' Mooncake master lives in namespace mooncake, which an install lists
+    # in the chart's referenceNamespaces.
     config = config or OperatorConfig(render=render, drift_interval=drift_interval,
-                                      retry_delay=retry_delay)
+                                      retry_delay=retry_delay,
+                                      reference_namespaces=DEMO_REFERENCE_NAMESPACES)
     register(registry, config, lambda: gw)
 
     @kopf.on.startup(registry=registry)

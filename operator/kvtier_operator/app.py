@@ -32,6 +32,8 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
         observe=observe_settings(env),
+        reference_namespaces=frozenset(
+            n.strip() for n in env.get("KVTIER_REFERENCE_NAMESPACES", "").split(",") if n.strip()),
     )
 
 
