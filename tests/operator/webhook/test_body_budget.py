@@ -93,7 +93,7 @@ async def _hog(port, ssl_ctx, source, declared, send, stop, stats):
             stats["answers"] += 1
             if b" 503 " in answer[:20]:
                 stats["refused"] += 1
-        except (OSError, asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, OSError, ConnectionError):
             pass
         finally:
             writer.close()
