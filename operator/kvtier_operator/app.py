@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -74,7 +75,7 @@ def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool
             shared["gw"] = Gateway(api_client())
         return shared["gw"]
 
-    operator_config = config_from_env()
+    operator_config = dataclasses.replace(config_from_env(), namespaced=bool(namespaces))
     register(registry, operator_config, gateway)
     if webhook_port:
         register_server(registry, operator_config.caches, operator_config.conflicts,

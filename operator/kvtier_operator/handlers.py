@@ -45,6 +45,9 @@ class OperatorConfig:
     # Namespaces besides a cache's own that its references (spec.mooncake.masterService)
     # may point into: the chart's referenceNamespaces.
     reference_namespaces: frozenset[str] = frozenset()
+    # Watching named namespaces only (the chart's watchNamespaces): kopf then neither lists
+    # namespaces nor watches CRDs, so the install needs no cluster-scoped rights at all.
+    namespaced: bool = False
     observer: Observer | None = None  # built from `observe` at first use
     # Advice Events: at most one per cache and reason in this many seconds.
     advice_event_gap: float = 600.0
@@ -226,6 +229,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         kvtier_pods: kopf.Index = indexes["kvtier_pods"]
         kvtier_evictor_runs: kopf.Index = indexes["kvtier_evictor_runs"]
         configure(settings)
+        if config.namespaced:
+            settings.scanning.disabled = True
         # The indexes are live views: empty now, filled as the watches list and stream.
         state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs),
                                              name="kvtier-drift-loop")
