@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -32,6 +33,8 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
         observe=observe_settings(env),
+        reference_namespaces=frozenset(
+            n.strip() for n in env.get("KVTIER_REFERENCE_NAMESPACES", "").split(",") if n.strip()),
     )
 
 
@@ -72,7 +75,7 @@ def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool
             shared["gw"] = Gateway(api_client())
         return shared["gw"]
 
-    operator_config = config_from_env()
+    operator_config = dataclasses.replace(config_from_env(), namespaced=bool(namespaces))
     register(registry, operator_config, gateway)
     if webhook_port:
         register_server(registry, operator_config.caches, operator_config.conflicts,

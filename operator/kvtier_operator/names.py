@@ -13,6 +13,8 @@ ANNOTATION_RESTARTED_AT = f"{PREFIX}/restartedAt"
 # The field paths kvtier before server-side apply recorded on the objects it owns; the
 # gateway hands them over to server-side apply once, which then removes it (gateway.py).
 ANNOTATION_APPLIED_FIELDS = f"{PREFIX}/applied-fields"
+# On kvtier's own objects: the cache that owns them. On a workload's pod template (and so
+# its pods): the workload owner's opt-in to `rollout: Auto` restarts by that cache.
 LABEL_CACHE = f"{PREFIX}/cache"
 LABEL_OPT_OUT = f"{PREFIX}/inject"  # "false" on a pod skips injection
 LABEL_COMPONENT = f"{PREFIX}/component"

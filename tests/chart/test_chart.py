@@ -64,8 +64,10 @@ def test_every_rendered_object_is_valid(name):
             continue
         kubernetes_validate.validate(obj, K8S, strict=True)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service",
-            "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"} <= kinds
+    rbac = {"Role", "RoleBinding"} if "watchNamespaces" in " ".join(VALUE_SETS[name]) \
+        else {"ClusterRole", "ClusterRoleBinding"}
+    assert {"Deployment", "ServiceAccount", "Service", "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", *rbac} <= kinds
 
 
 def test_operator_deployment_is_locked_down():

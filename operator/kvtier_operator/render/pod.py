@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_operator import names
-from kvtier_operator.api.quantity import format_bytes, quantity_bytes
+from kvtier_operator.api.quantity import MAX_BYTES, format_bytes, quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import PodRole
@@ -35,6 +35,69 @@ class Injection:
 def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
     """The config hash pods of this cache must carry (the plan's; see plan.py)."""
     return pod_plan(tpc, ctx).hash()
+
+
+class UnreadablePod(ValueError):
+    """A value in the pod kvtier must read or change and cannot: a conflict naming the
+    field, never the webhook's catch-all."""
+
+
+# Fields kvtier reads or writes, where an explicit `null` means the same as leaving the
+# field out (the API server's decoding drops it; a raw review may still carry it).
+_POD_FIELDS = ("containers", "initContainers", "volumes")
+_CONTAINER_FIELDS = ("env", "volumeMounts", "resources", "command", "args")
+_RESOURCE_FIELDS = ("requests", "limits")
+
+
+def _drop_nulls(obj: dict[str, Any], fields: tuple[str, ...]) -> None:
+    for key in fields:
+        if key in obj and obj[key] is None:
+            del obj[key]
+
+
+def _without_nulls(pod: dict[str, Any]) -> None:
+    """Treat `null` as absent in every field kvtier touches (in place, on its copy)."""
+    for key in ("metadata", "spec"):
+        if key in pod and pod[key] is None:
+            del pod[key]
+    meta = pod.get("metadata")
+    if isinstance(meta, dict):
+        _drop_nulls(meta, ("annotations", "labels"))
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        return
+    _drop_nulls(spec, _POD_FIELDS)
+    for key in ("containers", "initContainers"):
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            if not isinstance(container, dict):
+                raise UnreadablePod(f"spec.{key} holds {type(container).__name__} "
+                                    "where a container object belongs")
+            _drop_nulls(container, _CONTAINER_FIELDS)
+            resources = container.get("resources")
+            if isinstance(resources, dict):
+                _drop_nulls(resources, _RESOURCE_FIELDS)
+
+
+def _container_bytes(container: dict[str, Any], field_path: str, value: Any) -> int:
+    """A quantity from the pod, or UnreadablePod naming the container's field."""
+    try:
+        return quantity_bytes(value)
+    except ValueError as err:
+        raise UnreadablePod(f"container {container.get('name')!r} {field_path}: {err}; "
+                            "kvtier adds the CPU tier to it and cannot read it") from None
+
+
+def _raised(container: dict[str, Any], field_path: str, value: Any, increase: int) -> str:
+    """The quantity at field_path raised by `increase`, still a Kubernetes quantity."""
+    total = _container_bytes(container, field_path, value) + increase
+    if total > MAX_BYTES:
+        raise UnreadablePod(f"container {container.get('name')!r} {field_path}: {value!r} plus "
+                            f"the {format_bytes(increase)} kvtier adds is more than 2^63-1 "
+                            "bytes (8Ei); lower it")
+    return format_bytes(total)
 
 
 def find_container(plan: PodPlan, pod_spec: dict[str, Any]
@@ -82,13 +145,16 @@ def find_container(plan: PodPlan, pod_spec: dict[str, Any]
     return None, role, f"several containers run {what} ({listed}); set spec.containerName"
 
 
-def _memory(resources: dict[str, Any], increase: int) -> None:
+def _memory(container: dict[str, Any], increase: int) -> None:
+    resources = container.setdefault("resources", {})
     requests = resources.setdefault("requests", {})
     limits = resources.get("limits") or {}
     if "memory" in limits:
-        limits["memory"] = format_bytes(quantity_bytes(limits["memory"]) + increase)
+        limits["memory"] = _raised(container, "resources.limits.memory", limits["memory"],
+                                   increase)
     if "memory" in requests:
-        requests["memory"] = format_bytes(quantity_bytes(requests["memory"]) + increase)
+        requests["memory"] = _raised(container, "resources.requests.memory",
+                                     requests["memory"], increase)
     elif "memory" not in limits:
         # Without a limit the request would default to nothing; with one, Kubernetes
         # defaults the request to the (raised) limit.
@@ -193,7 +259,9 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], plan: PodPlan,
                     "/dev/shm for the CPU tier: remove that mount"
                 )
             return result.memory_increase_bytes
-        before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
+        before = (_container_bytes(container, f"/dev/shm volume {m.get('name')!r} sizeLimit",
+                                   empty_dir["sizeLimit"])
+                  if empty_dir.get("sizeLimit") else None)
         break
     result = plan.adapter.pod_sizing(plan.tpc.spec, before, container, role)
     if result.shm_bytes is None:
@@ -284,6 +352,17 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
         return Injection(pod=pod, changed=False, container=None, config_hash=digest)
 
     out = copy.deepcopy(pod)
+    try:
+        return _inject_copy(plan, pod, out, digest, workload)
+    except UnreadablePod as err:
+        return Injection(pod=pod, changed=False, container=None, config_hash=digest,
+                         conflicts=[str(err)])
+
+
+def _inject_copy(plan: PodPlan, pod: dict[str, Any], out: dict[str, Any], digest: str,
+                 workload: dict[str, Any] | None) -> Injection:
+    """inject_plan's work on `out`, a copy of `pod`."""
+    _without_nulls(out)
     pod_spec = out.setdefault("spec", {})
     container, role, why = find_container(plan, pod_spec)
     if container is None:
@@ -318,8 +397,8 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
                                  "sweep before the engine and will not start it otherwise")
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
-    _memory(container.setdefault("resources", {}), increase)
-    _devices(container["resources"], plan.device_resources)
+    _memory(container, increase)
+    _devices(container.setdefault("resources", {}), plan.device_resources)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)

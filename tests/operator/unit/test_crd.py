@@ -186,7 +186,11 @@ def test_cel_rules_accept_the_examples():
         ({"storage": {"mountPath": "relative"}}, "must be an absolute, normalised path"),
         ({"storage": {"mountPath": "//etc"}}, "must be an absolute, normalised path"),
         ({"storage": {"mountPath": "/etc"}}, "would shadow what the model server's image keeps"),
-        ({"selector": {"matchLabels": None}}, "must select something"),
+        ({"selector": {"matchLabels": None}}, "at least one label value"),
+        *[({"selector": {"matchLabels": None, "matchExpressions": [term]}},
+           "at least one label value") for term in (
+            {"key": "zzz", "operator": "DoesNotExist"}, {"key": "app", "operator": "Exists"},
+            {"key": "app", "operator": "NotIn", "values": ["postgres"]})],
         ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
         ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec.cpu is required unless"),
