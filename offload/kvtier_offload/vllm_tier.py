@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
-from kvtier_offload.metrics import DEFINITIONS, Metrics, Recorder
+from kvtier_offload.metrics import DEFINITIONS, SHARED_TIER, Metrics, Recorder
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -60,6 +60,9 @@ CONFIG_INFO_KEYS = ("kvtier_root", "kvtier_fingerprint", "kvtier_file_format")
 
 class KvtierStorageTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
+    # The tier label on this tier's kvtier_offload_* series (metrics.TIER): the shared
+    # volume's; the local and object tiers name their own.
+    metrics_tier: ClassVar[str] = SHARED_TIER
     # vLLM 0.33 may poll a tier from its own thread between steps if the tier opts in.
     # Not this one: the block store (its lookup cache, job table and finished queue) is
     # only ever entered from vLLM's scheduler thread. (0.32 has no such thread.)
@@ -100,7 +103,7 @@ class KvtierStorageTier(SecondaryTierManager):
             # A node-local root (local NVMe) bounds itself: LRU inside the backend.
             capacity_bytes=0 if capacity_bytes is None else parse_capacity(
                 capacity_bytes, self.block_size_bytes),
-        ), metrics=Metrics(self._recorder))
+        ), metrics=Metrics(self._recorder, self.metrics_tier))
         self.store.layout.write_config(config)
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events:
