@@ -21,6 +21,7 @@ FINALIZER = f"{PREFIX}/finalizer"
 VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
+VOLUME_LOCAL_DISK = "kvtier-local-disk"
 INIT_CONTAINER = "kvtier-offload-install"
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
 # removes the regions a killed engine left behind, then execs the engine's command
@@ -43,6 +44,12 @@ def claim_name(tpc: TieredPrefixCache) -> str | None:
 
 def cronjob_name(tpc: TieredPrefixCache) -> str:
     return f"{tpc.name}-evictor"
+
+
+def object_evictor_name(tpc: TieredPrefixCache) -> str:
+    """The object store's eviction CronJob: no longer than the evictor's, so CR_NAME_MAX
+    keeps it within Kubernetes' 52 characters."""
+    return f"{tpc.name}-objects"
 
 
 def router_configmap_name(tpc: TieredPrefixCache) -> str:

@@ -17,6 +17,7 @@ from kvtier_operator.api.quantity import format_bytes, quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import PodRole
+from kvtier_operator.engines.chained_tiers import SecretEnv
 from kvtier_operator.engines.cmdline import kube_expansion
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line, prefix_program
 from kvtier_operator.plan import PodPlan, pod_plan
@@ -113,6 +114,38 @@ def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: lis
                 f"container {container.get('name')!r} sets {name}={shown}; kvtier needs "
                 f"{needed}: remove it from the pod{hint}"
             )
+
+
+def _merge_secret_env(container: dict[str, Any], wanted: tuple[SecretEnv, ...],
+                      conflicts: list[str]) -> None:
+    """Env from Secret references (never values); one the pod sets otherwise conflicts."""
+    env = container.setdefault("env", [])
+    by_name = {e.get("name"): e for e in env}
+    for ref in wanted:
+        entry = ref.entry()
+        have = by_name.get(ref.name)
+        if have is None:
+            env.append(entry)
+        elif have != entry:
+            conflicts.append(
+                f"container {container.get('name')!r} sets {ref.name} itself; kvtier takes "
+                f"it from Secret {ref.secret!r} (spec.objectStore.credentialsSecret): "
+                "remove it from the pod")
+
+
+def _ephemeral_storage(resources: dict[str, Any], increase: int) -> None:
+    """Grow the ephemeral-storage request (and a limit, where one is set) by increase, so
+    the scheduler finds room and the kubelet does not evict the pod for the emptyDir."""
+    if not increase:
+        return
+    requests = resources.setdefault("requests", {})
+    limits = resources.get("limits") or {}
+    if "ephemeral-storage" in limits:
+        limits["ephemeral-storage"] = format_bytes(
+            quantity_bytes(limits["ephemeral-storage"]) + increase)
+    have = requests.get("ephemeral-storage")
+    requests["ephemeral-storage"] = format_bytes(
+        (quantity_bytes(have) if have else 0) + increase)
 
 
 def _prepend_pythonpath(container: dict[str, Any], conflicts: list[str]) -> None:
@@ -238,6 +271,8 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
                          conflicts=[why])
     adapter = plan.adapter
     conflicts: list[str] = []
+    if plan.refusal is not None:
+        conflicts.append(plan.refusal)
     group = adapter.group_conflict(plan.tpc.spec, pod, workload)
     if group:
         conflicts.append(group)
@@ -266,6 +301,9 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container.setdefault("resources", {}), increase)
+    if role == PodRole.server:
+        _merge_secret_env(container, plan.secret_env, conflicts)
+        _ephemeral_storage(container["resources"], plan.ephemeral_storage_bytes)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)
