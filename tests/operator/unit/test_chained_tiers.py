@@ -247,3 +247,53 @@ def test_changing_a_secret_reference_restarts_pods_a_new_value_does_not():
     other = inject(cache(objectStore={**OBJECTS, "credentialsSecret": {"name": "kv-s3-2"}}),
                    vllm_pod(), CTX).config_hash
     assert one == again != other
+
+
+PAGE_THREE_TIERS = """\
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1000
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 100
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 300
+# TYPE kvtier_offload_bytes counter
+kvtier_offload_bytes_total{tier="localDisk",direction="load"} 4000
+kvtier_offload_bytes_total{tier="storage",direction="load"} 200
+kvtier_offload_bytes_total{tier="objectStore",direction="load"} 10
+kvtier_offload_bytes_total{tier="objectStore",direction="store"} 77
+# TYPE kvtier_offload_operations counter
+kvtier_offload_operations_total{tier="localDisk",direction="load",outcome="ok"} 40
+kvtier_offload_operations_total{tier="storage",direction="load",outcome="ok"} 2
+kvtier_offload_operations_total{tier="objectStore",direction="load",outcome="ok"} 1
+kvtier_offload_operations_total{tier="objectStore",direction="load",outcome="corrupt"} 3
+"""
+
+
+def test_each_kvtier_tier_reads_its_own_series_never_their_sum():
+    from kvtier_operator.engines.vllm.metrics import read
+    from kvtier_operator.observe.page import parse
+
+    samples = parse(PAGE_THREE_TIERS, 20000).samples
+    f = read(samples, ("cpu", "localDisk", "storage", "objectStore"))
+    assert f.counters[("bytes_loaded", "localDisk")] == 4000
+    assert f.counters[("bytes_loaded", "storage")] == 200
+    assert f.counters[("bytes_loaded", "objectStore")] == 10
+    assert f.counters[("bytes_stored", "objectStore")] == 77
+    assert f.counters[("failed_loads", "objectStore")] == 3
+    assert f.counters[("failed_loads", "localDisk")] == 0
+    assert f.counters[("loads", "storage")] == 2
+    # vLLM says "disk" for a hit on any of them: it is not pinned on one.
+    assert ("hit_tokens", "storage") not in f.counters
+    assert f.counters[("hit_tokens", "offloaded")] == 300
+    # One tier of files alone: vLLM's disk hits are that tier's.
+    only = read(samples, ("cpu", "objectStore"))
+    assert only.counters[("hit_tokens", "objectStore")] == 300
+
+
+def test_a_backend_without_the_tier_label_counts_as_the_shared_tier():
+    from kvtier_operator.engines.vllm.metrics import read
+    from kvtier_operator.observe.page import parse
+
+    old = PAGE_THREE_TIERS.replace('tier="localDisk",', "").replace('tier="storage",', "")
+    old = "\n".join(line for line in old.splitlines() if "objectStore" not in line)
+    f = read(parse(old, 20000).samples, ("cpu", "storage"))
+    assert f.counters[("bytes_loaded", "storage")] == 4200
