@@ -55,9 +55,10 @@ NO_CPU_TIER_NEEDS_STORAGE = (
 class VllmNative(Adapter):
     engine = Engine.vllm
     connector = Connector.native
-    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, shared file tier "
-             "by kvtier's backend or vLLM's fs tier; without a CPU tier kvtier's own spec "
-             "moves blocks between GPU and files")
+    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, then kvtier's "
+             "local-disk tier, the shared file tier (kvtier's backend or vLLM's fs tier) and "
+             "kvtier's object-store tier; without a CPU tier kvtier's own spec moves blocks "
+             "between GPU and files")
     launcher = VLLM
     takes_storage: ClassVar[bool] = True
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = (
