@@ -48,12 +48,18 @@ def rendered_tiers(local: Path, shared: Path, capacity: int) -> list[dict]:
 
 
 def engine(tiers: list[dict], mode: str, model: str = "tiny/model-a",
-           keys: list[str] = KEYS, seed: int = 7) -> dict:
+           keys: list[str] = KEYS, seed: int = 7, env: dict[str, str] | None = None,
+           output: list[str] | None = None) -> dict:
+    """Run one engine process; `env`: added to its environment (a Secret's keys);
+    `output`: receives what it printed, stdout and stderr."""
     request = {"tiers": tiers, "mode": mode, "model": model, "keys": keys, "seed": seed}
     out = subprocess.run([sys.executable, "-m", "tests.offload.tier_engine",
                           json.dumps(request)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONHASHSEED": "0"})
+                         timeout=300,
+                         env={**os.environ, "PYTHONHASHSEED": "0", **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
+    if output is not None:
+        output += [out.stdout, out.stderr]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -297,3 +297,20 @@ def test_a_backend_without_the_tier_label_counts_as_the_shared_tier():
     old = "\n".join(line for line in old.splitlines() if "objectStore" not in line)
     f = read(parse(old, 20000).samples, ("cpu", "storage"))
     assert f.counters[("bytes_loaded", "storage")] == 4200
+
+
+def test_reconcile_applies_the_object_cronjob_and_removes_it_with_the_field():
+    from tests.operator.unit.test_reconcile import FakeGateway, body, run
+
+    gw = FakeGateway()
+    run(gw, body({"objectStore": OBJECTS}))
+    cron = gw.store[("CronJob", "ml", "cache-objects")]
+    assert cron["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert ("CronJob", "ml", "cache-evictor") in gw.store  # the shared volume's, beside it
+    outcome = run(gw, body({"objectStore": None}))
+    assert ("CronJob", "ml", "cache-objects") not in gw.store
+    assert ("CronJob", "ml", "cache-evictor") in gw.store
+    assert ("Normal", "Deleted", "deleted CronJob cache-objects") in outcome.events
+    # Nothing of the Secret is in the status kvtier writes: it never reads the Secret.
+    status = run(gw, body({"objectStore": OBJECTS})).status.model_dump_json(by_alias=True)
+    assert "kv-s3" not in status and "AWS_" not in status
