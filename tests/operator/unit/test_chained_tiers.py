@@ -194,7 +194,7 @@ def test_the_operator_refuses_to_start_on_a_bad_allowed_path():
 
     ctx = config_from_env({"KVTIER_ALLOWED_HOST_PATHS": "/mnt/nvme, /data/ssd"}).render
     assert ctx.allowed_host_paths == ("/mnt/nvme", "/data/ssd")
-    with pytest.raises(ValueError, match="KVTIER_ALLOWED_HOST_PATHS.*absolute"):
+    with pytest.raises(ValueError, match=r"KVTIER_ALLOWED_HOST_PATHS.*absolute"):
         config_from_env({"KVTIER_ALLOWED_HOST_PATHS": "mnt/nvme"})
 
 
