@@ -17,6 +17,7 @@ exactly what it could verify and nothing more.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,6 +57,7 @@ def fingerprint_config(spec: Any, row_bytes: int) -> dict[str, Any]:
 # and the block file format. The same names as GPU-direct mode (vllm_spec.CONFIG_INFO_KEYS,
 # kept apart so that this module never imports torch).
 CONFIG_INFO_KEYS = ("kvtier_root", "kvtier_fingerprint", "kvtier_file_format")
+EVICTIONS_HELD = 65_536  # evicted keys kept for the next KV events at most
 
 
 class KvtierStorageTier(SecondaryTierManager):
@@ -109,6 +111,10 @@ class KvtierStorageTier(SecondaryTierManager):
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self.events = []
+                # A bounded tier announces what its bound evicts, or the router would
+                # keep routing to blocks this pod no longer has. Bounded itself: events
+                # are taken every step; past this many the oldest are dropped.
+                self.store.evictions = deque(maxlen=EVICTIONS_HELD)
             else:
                 log.warning("enable_kv_events is set on tier %s but KV cache events are "
                             "off globally; no events", tier_type)
@@ -169,7 +175,21 @@ class KvtierStorageTier(SecondaryTierManager):
             results.append(JobResult(job_id=outcome.job_id, success=outcome.success,
                                      transfer_time=outcome.seconds,
                                      transfer_bytes=outcome.nbytes))
+        self._announce_evictions()
         return results
+
+    def _announce_evictions(self) -> None:
+        """Removals after this poll's stores: a block stored and then evicted since the
+        last poll ends removed (true); one evicted and stored again ends removed too, a
+        missed hit for the router rather than a false one."""
+        evicted = getattr(self.store, "evictions", None)
+        if self.events is None or not evicted:
+            return
+        keys = []
+        while evicted:
+            keys.append(OffloadKey(evicted.popleft()))
+        self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=True,
+                                           locality=self.locality))
 
     def has_pending_work(self) -> bool:
         return self.store.pending_jobs() > 0
