@@ -181,7 +181,10 @@ class KvtierStorageTier(SecondaryTierManager):
     def _announce_evictions(self) -> None:
         """Removals after this poll's stores: a block stored and then evicted since the
         last poll ends removed (true); one evicted and stored again ends removed too, a
-        missed hit for the router rather than a false one."""
+        missed hit for the router rather than a false one. (A block evicted after it is
+        written but before its job's outcome reaches a poll would be announced removed
+        first, then stored: only possible where the bound is about the size of the writes
+        in flight, since the newest block is the last the LRU takes.)"""
         evicted = getattr(self.store, "evictions", None)
         if self.events is None or not evicted:
             return

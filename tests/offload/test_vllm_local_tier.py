@@ -101,8 +101,8 @@ def test_a_bounded_local_tier_before_the_shared_one(tmp_path):
 
 def test_the_local_tier_announces_what_its_bound_evicts(tmp_path):
     """With KV events on (precise routing), every block the capacity bound removes is
-    announced removed, after the stores of the same poll, so the router stops counting
-    it on this pod."""
+    announced removed, after it was announced stored, so the router stops counting it on
+    this pod."""
     row = 4 * PAGE
     manager = spec_with([{**local(tmp_path / "nvme", 2 * block_file_bytes(row)),
                           "enable_kv_events": True}], events=True).get_manager()
@@ -120,9 +120,12 @@ def test_the_local_tier_announces_what_its_bound_evicts(tmp_path):
         assert removed == keys[:3]  # the bound holds two: the three oldest went
         assert all(e.medium.value == "STORAGE" and e.locality is Locality.LOCAL
                    for e in events)
-        last_store = max(i for i, e in enumerate(events) if not e.removed
-                         and keys[-1] in e.keys)
-        assert any(e.removed for e in events[last_store:])
+        # Never announced removed before it was announced stored.
+        first = {}
+        for i, e in enumerate(events):
+            for k in e.keys:
+                first.setdefault((k, e.removed), i)
+        assert all(first[k, False] < first[k, True] for k in removed)
         assert list(near.take_events()) == []
     finally:
         manager.shutdown()
