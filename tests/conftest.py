@@ -47,6 +47,7 @@ SLOW_MODULES = (
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
     "tests/offload/test_vllm_local_tier.py",
+    "tests/offload/test_chained_tiers.py",  # engine processes, the operator's tiers
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
     "tests/offload/test_syscalls.py",  # strace in a child per test
     "tests/offload/test_cli.py",  # the init container's install, in subprocesses

@@ -166,7 +166,7 @@ def cmd_evict_objects(args: argparse.Namespace) -> int:
     from kvtier_offload.object_store import ObjectStoreConfig, make_client
 
     settings = ObjectStoreConfig(bucket=args.bucket, fingerprint="", prefix=args.prefix,
-                                 endpoint_url=args.endpoint_url,
+                                 endpoint_url=args.endpoint_url, region=args.region,
                                  addressing_style=args.addressing_style)
     settings.check()
     report = evict_to_budget(make_client(settings), args.bucket, args.prefix,
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--budget-bytes", type=int, required=True)
     ev.add_argument("--min-age-seconds", type=float, default=600.0)
     ev.add_argument("--endpoint-url", default=None)
+    ev.add_argument("--region", default=None, help="default: AWS_REGION from the environment")
     ev.add_argument("--addressing-style", default="auto", choices=("auto", "path", "virtual"))
     ev.add_argument("--dry-run", action="store_true")
     pd = sub.add_parser("prepare-dir", help="create the tier's directory on the volume "

@@ -31,6 +31,14 @@ _METRICS: dict[str, Any] = {}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
+# Every kvtier_offload_* series names the tier it counts, as the operator's status names it
+# (status.tiers[].name): "storage" (the shared volume, and GPU-direct mode), "localDisk"
+# (a node-local directory), "objectStore". One pod may run all three under vLLM's tiering;
+# without the label their figures would add up together.
+TIER = "tier"
+SHARED_TIER = "storage"
+
+
 @dataclass(frozen=True)
 class Definition:
     kind: str  # Counter | Gauge | Histogram, as prometheus-client names them
@@ -41,24 +49,24 @@ class Definition:
 
 
 DEFINITIONS = {d.name: d for d in (
-    Definition("Counter", "kvtier_offload_bytes", "Bytes moved", ("direction",)),
+    Definition("Counter", "kvtier_offload_bytes", "Bytes moved", (TIER, "direction")),
     Definition("Counter", "kvtier_offload_operations", "Block operations by outcome",
-               ("direction", "outcome")),
+               (TIER, "direction", "outcome")),
     Definition("Histogram", "kvtier_offload_latency_seconds",
-               "Latency of one block operation", ("direction",), LATENCY_BUCKETS),
-    Definition("Counter", "kvtier_offload_lookups", "Lookups by result", ("result",)),
+               "Latency of one block operation", (TIER, "direction"), LATENCY_BUCKETS),
+    Definition("Counter", "kvtier_offload_lookups", "Lookups by result", (TIER, "result")),
     Definition("Counter", "kvtier_offload_corrupt_files", "Block files refused and removed",
-               ("reason",)),
+               (TIER, "reason")),
     Definition("Counter", "kvtier_offload_dropped_writes",
-               "Stores dropped, never written or reported stored", ("reason",)),
-    Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", ("error",)),
+               "Stores dropped, never written or reported stored", (TIER, "reason")),
+    Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", (TIER, "error")),
     Definition("Gauge", "kvtier_offload_native",
                "1 where the block store runs its C extension, 0 on the Python path; reason: "
                "ok, turned-off, not-built, wrong-build, batch-io-off, or no-digest (the store "
                "refused to start)",
-               ("reason",)),
+               (TIER, "reason")),
     Definition("Gauge", "kvtier_offload_queue_depth",
-               "Block operations submitted and not yet finished", ("direction",)),
+               "Block operations submitted and not yet finished", (TIER, "direction")),
 )}
 
 
@@ -205,14 +213,28 @@ def _bounds_array(bounds: list[float]) -> np.ndarray:
     return known[1]
 
 
-class Metrics:
-    """The backend's metrics; direction is 'store' or 'load'. recorder: keep them there
-    for the host to export instead of registering them."""
+class _TierBound:
+    """A metric whose first label, the tier, is given: labels() takes the others."""
 
-    def __init__(self, recorder: Recorder | None = None) -> None:
+    def __init__(self, metric: Any, tier: str) -> None:
+        self._metric, self._tier = metric, tier
+
+    def labels(self, *values: object) -> Any:
+        return self._metric.labels(self._tier, *values)
+
+
+class Metrics:
+    """The backend's metrics for one tier (`tier`: its label value, see TIER); direction
+    is 'store' or 'load'. recorder: keep them there for the host to export instead of
+    registering them."""
+
+    def __init__(self, recorder: Recorder | None = None, tier: str = SHARED_TIER) -> None:
+        self.tier = tier
+
         def get(name: str) -> Any:
             definition = DEFINITIONS[name]
-            return recorder.metric(definition) if recorder else _registered(definition)
+            metric = recorder.metric(definition) if recorder else _registered(definition)
+            return _TierBound(metric, tier)
 
         self.bytes = get("kvtier_offload_bytes")
         self.operations = get("kvtier_offload_operations")

@@ -102,15 +102,15 @@ async def show(example: Path, out: Path) -> int:
         say("2. the operator created")
         for resource in ("v1/persistentvolumeclaims", "batch/v1/cronjobs",
                          "v1/configmaps"):
-            for suffix in ("kv-cache", "evictor", "router"):
+            for suffix in ("kv-cache", "evictor", "objects", "router"):
                 obj = sandbox.stored(kmock, resource, ns, f"{name}-{suffix}")
                 if obj is not None:
                     print(dump({obj["kind"]: {"name": obj["metadata"]["name"],
                                               **({"data": obj["data"]} if "data" in obj
                                                  else {"spec": obj["spec"]})}}))
         if adapter.evictor_layout(tpc.spec) is None:
-            print("(no evictor CronJob: no shared tier kvtier manages, or the engine "
-                  "evicts on its own)")
+            print("(no shared-volume evictor CronJob: no shared tier kvtier manages, or "
+                  "the engine evicts on its own)")
         await until(lambda: config.caches.in_namespace(ns), "the webhook's cache view")
         client_tls = ssl.create_default_context(cafile=str(ca))
         for i, pod in enumerate(workload_pods(workload, ns)):

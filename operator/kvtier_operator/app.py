@@ -18,6 +18,7 @@ from kvtier_operator.context import (
 from kvtier_operator.gateway import Gateway
 from kvtier_operator.handlers import OperatorConfig, register
 from kvtier_operator.observe.observer import ObserveSettings
+from kvtier_operator.validation.host_paths import parse_allowed
 from kvtier_operator.webhook import register_server
 
 
@@ -30,6 +31,7 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
             or DEFAULT_OFFLOAD_IMAGE,
             evictor_image=env.get("KVTIER_OPERATOR_IMAGE", DEFAULT_OPERATOR_IMAGE),
             image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
+            allowed_host_paths=parse_allowed(env.get("KVTIER_ALLOWED_HOST_PATHS")),
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
         observe=observe_settings(env),

@@ -23,6 +23,7 @@ FINALIZER = f"{PREFIX}/finalizer"
 VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
+VOLUME_LOCAL_DISK = "kvtier-local-disk"
 INIT_CONTAINER = "kvtier-offload-install"
 PREPARE_CONTAINER = "kvtier-prepare-tier"  # spec.storage.permissions.prepareDirectory
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
@@ -46,6 +47,12 @@ def claim_name(tpc: TieredPrefixCache) -> str | None:
 
 def cronjob_name(tpc: TieredPrefixCache) -> str:
     return f"{tpc.name}-evictor"
+
+
+def object_evictor_name(tpc: TieredPrefixCache) -> str:
+    """The object store's eviction CronJob: no longer than the evictor's, so CR_NAME_MAX
+    keeps it within Kubernetes' 52 characters."""
+    return f"{tpc.name}-objects"
 
 
 def router_configmap_name(tpc: TieredPrefixCache) -> str:

@@ -22,7 +22,14 @@ from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import Adapter, ExtraVolume, PodRole
+from kvtier_operator.engines.chained_tiers import (
+    SecretEnv,
+    credential_env,
+    ephemeral_storage_bytes,
+    local_disk_volume,
+)
 from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.validation.host_paths import host_path_refusal
 
 FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
 
@@ -54,6 +61,12 @@ class PodPlan:
     # Extended resources the container requests and limits (adapter.device_resources).
     device_resources: Mapping[str, str] = field(
         default_factory=lambda: MappingProxyType({}))
+    # Env from Secrets (the object store's credentials), by reference only.
+    secret_env: tuple[SecretEnv, ...] = ()
+    # What the server container's ephemeral-storage request grows by (an emptyDir disk).
+    ephemeral_storage_bytes: int = 0
+    # Why no pod may be injected (a host directory the admin does not allow); None: fine.
+    refusal: str | None = None
 
     def env(self, role: PodRole) -> dict[str, str]:
         return dict(self.server_env if role == PodRole.server else self.worker_env)
@@ -66,7 +79,8 @@ def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
             server_env: Mapping[str, str], claim: str | None, mount_path: str | None,
             extra_volumes: tuple[ExtraVolume, ...], offload_image: str | None,
             command_prefix: tuple[str, ...] | None, devices: Mapping[str, str] | None = None,
-            permissions: dict[str, Any] | None = None) -> str:
+            permissions: dict[str, Any] | None = None, secret_env: tuple[SecretEnv, ...] = (),
+            ephemeral_bytes: int = 0) -> str:
     # The keys and values pods have carried since FORMAT_VERSION 2: a plan that writes
     # the same keeps the same hash, so running pods are not reported pending.
     doc: dict[str, Any] = {
@@ -88,6 +102,10 @@ def _digest(tpc: TieredPrefixCache, adapter: Adapter, launch_options: Any,
         doc["devices"] = dict(devices)  # absent before: other hashes stay
     if permissions is not None:
         doc["permissions"] = permissions  # absent before: other hashes stay
+    if secret_env:  # references only: a rotated secret value restarts nothing
+        doc["secretEnv"] = [[e.name, e.secret, e.key] for e in secret_env]
+    if ephemeral_bytes:
+        doc["ephemeralStorage"] = ephemeral_bytes
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -103,6 +121,9 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
     claim = names.claim_name(tpc)
     mount_path = spec.storage.mount_path if spec.storage else None
     extra = tuple(adapter.extra_volumes(tpc))
+    disk = local_disk_volume(tpc)
+    if disk is not None:
+        extra += (disk,)
     image = ctx.offload_image if adapter.needs_offload_package(spec) else None
     prefix = names.SHM_SWEEP_PREFIX if adapter.sweeps_shm(spec) else None
     devices = adapter.device_resources(spec)
@@ -110,6 +131,8 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
     permissions = None if fs_group is None else {
         "fsGroup": fs_group, "prepare": None if prepare is None else list(prepare),
         "image": prepare_image}
+    secrets = credential_env(spec)
+    ephemeral = ephemeral_storage_bytes(spec)
     return PodPlan(
         tpc=tpc, adapter=adapter, launch_options=launch_options, kv_events=kv_events,
         server_env=MappingProxyType(server_env), worker_env=MappingProxyType(worker_env),
@@ -117,8 +140,11 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
         image_pull_policy=ctx.image_pull_policy, container_name=spec.container_name,
         command_prefix=prefix, device_resources=MappingProxyType(devices),
         fs_group=fs_group, prepare_command=prepare, prepare_image=prepare_image,
+        secret_env=secrets, ephemeral_storage_bytes=ephemeral,
+        refusal=host_path_refusal(spec, ctx.allowed_host_paths),
         config_hash=_digest(tpc, adapter, launch_options, server_env, claim, mount_path,
-                            extra, image, prefix, devices, permissions))
+                            extra, image, prefix, devices, permissions, secret_env=secrets,
+                            ephemeral_bytes=ephemeral))
 
 
 def _permissions(tpc: TieredPrefixCache, adapter: Adapter, ctx: RenderContext

@@ -28,6 +28,7 @@ from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.object_evictor import render_object_evictor
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import PLUGINS_FILE, render_router_configmap
@@ -300,6 +301,9 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
+    object_cron_error = _apply_owned(tpc, gw, render_object_evictor(tpc, ctx), "CronJob",
+                                     names.object_evictor_name(tpc), events)
+    cron_error = cron_error or object_cron_error
     router = render_router_configmap(tpc, ctx.observed_cpu_blocks)
     router_name = names.router_configmap_name(tpc)
     router_error = _apply_owned(tpc, gw, router, "ConfigMap", router_name, events) or \

@@ -46,7 +46,7 @@ def _sample(name: str, **labels: str) -> float:
     """A kvtier_offload_* figure as Prometheus would scrape it (0 where absent)."""
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return REGISTRY.get_sample_value(name, {"tier": "storage", **labels}) or 0.0
 
 
 def _hung_stats(store):

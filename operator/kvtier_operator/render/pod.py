@@ -18,6 +18,7 @@ from kvtier_operator.api.quantity import MAX_BYTES, format_bytes, quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import PodRole
+from kvtier_operator.engines.chained_tiers import SecretEnv
 from kvtier_operator.engines.cmdline import kube_expansion
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line, prefix_program
 from kvtier_operator.plan import PodPlan, pod_plan
@@ -195,6 +196,41 @@ def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: lis
             )
 
 
+def _merge_secret_env(container: dict[str, Any], wanted: tuple[SecretEnv, ...],
+                      conflicts: list[str]) -> None:
+    """Env from Secret references (never values); one the pod sets otherwise conflicts."""
+    env = container.setdefault("env", [])
+    by_name = {e.get("name"): e for e in env}
+    for ref in wanted:
+        entry = ref.entry()
+        have = by_name.get(ref.name)
+        if have is None:
+            env.append(entry)
+        elif have != entry:
+            conflicts.append(
+                f"container {container.get('name')!r} sets {ref.name} itself; kvtier takes "
+                f"it from Secret {ref.secret!r} (spec.objectStore.credentialsSecret): "
+                "remove it from the pod")
+
+
+def _ephemeral_storage(container: dict[str, Any], increase: int) -> None:
+    """Grow the ephemeral-storage request (and a limit, where one is set) by increase, so
+    the scheduler finds room and the kubelet does not evict the pod for the emptyDir. An
+    unreadable or overflowing quantity in the pod is a named conflict (UnreadablePod)."""
+    if not increase:
+        return
+    resources = container.setdefault("resources", {})
+    requests = resources.setdefault("requests", {})
+    limits = resources.get("limits") or {}
+    if "ephemeral-storage" in limits:
+        limits["ephemeral-storage"] = _raised(
+            container, "resources.limits.ephemeral-storage", limits["ephemeral-storage"],
+            increase)
+    have = requests.get("ephemeral-storage")
+    requests["ephemeral-storage"] = format_bytes(increase) if have is None else _raised(
+        container, "resources.requests.ephemeral-storage", have, increase)
+
+
 def _prepend_pythonpath(container: dict[str, Any], conflicts: list[str]) -> None:
     env = container.setdefault("env", [])
     for entry in env:
@@ -370,6 +406,8 @@ def _inject_copy(plan: PodPlan, pod: dict[str, Any], out: dict[str, Any], digest
                          conflicts=[why])
     adapter = plan.adapter
     conflicts: list[str] = []
+    if plan.refusal is not None:
+        conflicts.append(plan.refusal)
     group = adapter.group_conflict(plan.tpc.spec, pod, workload)
     if group:
         conflicts.append(group)
@@ -399,6 +437,9 @@ def _inject_copy(plan: PodPlan, pod: dict[str, Any], out: dict[str, Any], digest
     increase = _shm(pod_spec, container, plan, role, conflicts)
     _memory(container, increase)
     _devices(container.setdefault("resources", {}), plan.device_resources)
+    if role == PodRole.server:
+        _merge_secret_env(container, plan.secret_env, conflicts)
+        _ephemeral_storage(container, plan.ephemeral_storage_bytes)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)

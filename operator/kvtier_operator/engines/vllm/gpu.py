@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
+    DEFAULT_FILE_TOKENS,
     Connector,
     Engine,
     RouterScoring,
@@ -33,6 +34,12 @@ from kvtier_operator.engines.vllm.versions import (
 # package (offload/kvtier_offload/vllm_tier.py defines it).
 KVTIER_TIER_TYPE = "KvtierStorageTier"
 KVTIER_TIER_MODULE = "kvtier_offload.vllm_tier"
+# The tiers chained around it (spec.localDisk before it, spec.objectStore after it):
+# offload/kvtier_offload/vllm_local_tier.py and vllm_object_tier.py.
+LOCAL_TIER_TYPE = "KvtierLocalTier"
+LOCAL_TIER_MODULE = "kvtier_offload.vllm_local_tier"
+OBJECT_TIER_TYPE = "KvtierObjectTier"
+OBJECT_TIER_MODULE = "kvtier_offload.vllm_object_tier"
 # Without a CPU tier: kvtier's own OffloadingSpec (offload/kvtier_offload/vllm_spec.py)
 # under kvtier's connector (vllm_connector.py), which reports a block it could not load
 # so that vLLM recomputes it (vLLM's own OffloadingConnector would stop the engine).
@@ -54,9 +61,10 @@ NO_CPU_TIER_NEEDS_STORAGE = (
 class VllmNative(Adapter):
     engine = Engine.vllm
     connector = Connector.native
-    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, shared file tier "
-             "by kvtier's backend or vLLM's fs tier; without a CPU tier kvtier's own spec "
-             "moves blocks between GPU and files")
+    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, then kvtier's "
+             "local-disk tier, the shared file tier (kvtier's backend or vLLM's fs tier) and "
+             "kvtier's object-store tier; without a CPU tier kvtier's own spec moves blocks "
+             "between GPU and files")
     launcher = VLLM
     takes_storage: ClassVar[bool] = True
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = (
@@ -64,6 +72,8 @@ class VllmNative(Adapter):
     no_cpu_tier: ClassVar[NoCpuTier | None] = NoCpuTier(StorageBackend.kvtier,
                                                         NO_CPU_TIER_NEEDS_STORAGE)
     publishes_kv_events: ClassVar[bool] = True
+    takes_local_disk: ClassVar[bool] = True
+    takes_object_store: ClassVar[bool] = True
 
     def kv_events_config(self, tpc: TieredPrefixCache) -> dict[str, Any] | None:
         return kv_events_config(tpc)
@@ -78,6 +88,10 @@ class VllmNative(Adapter):
             asked.append(Asked(KV_LOAD_FAILURE_POLICY, "spec.cpu left out (no CPU tier)"))
         elif backend == StorageBackend.kvtier:
             asked.append(Asked(OUT_OF_TREE_TIER, "spec.storage.backend kvtier"))
+        elif spec.local_disk is not None:
+            asked.append(Asked(OUT_OF_TREE_TIER, "spec.localDisk"))
+        elif spec.object_store is not None:
+            asked.append(Asked(OUT_OF_TREE_TIER, "spec.objectStore"))
         if backend == StorageBackend.vllm_fs:
             asked.append(Asked(FS_TIER_EXTERNAL_EVICTOR, "spec.storage.backend vllm-fs"))
         if spec.sync_load_budget is not None:
@@ -114,34 +128,64 @@ class VllmNative(Adapter):
         spec = tpc.spec
         if spec.no_cpu_tier:
             return _no_cpu_tier_config(tpc)
-        storage = spec.storage
-        backend = self.storage_backend(spec)
         extra: dict[str, Any] = {"cpu_bytes_to_use": spec.cpu_bytes}
-        if storage is not None and backend is not None:
-            tier: dict[str, Any]
-            if backend == StorageBackend.vllm_fs:
-                tier = {"type": "fs"}
-            else:
-                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE}
-            tier |= {
-                "root_dir": storage.mount_path,
-                "n_read_threads": storage.read_threads,
-                "n_write_threads": storage.write_threads,
-            }
-            if spec.router.scoring == RouterScoring.precise:
-                # The tier announces its blocks (medium STORAGE) on the engine's stream.
-                tier["enable_kv_events"] = True
+        tiers = self._secondary_tiers(spec)
+        if tiers:
             extra = {
                 "spec_name": "TieringOffloadingSpec",
                 **extra,
-                "block_size": storage.block_tokens,
-                "secondary_tiers": [tier],
+                "block_size": (spec.storage.block_tokens if spec.storage is not None
+                               else DEFAULT_FILE_TOKENS),
+                "secondary_tiers": tiers,
             }
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+
+    def _secondary_tiers(self, spec: TieredPrefixCacheSpec) -> list[dict[str, Any]]:
+        """vLLM's tiering stores every chunk to each secondary tier and looks them up in
+        this order: the node's disk, the shared volume, the object store (fastest first).
+        With precise scoring each tier announces its blocks (medium STORAGE; the local
+        disk with locality LOCAL, the object store REMOTE) on the engine's stream."""
+        tiers: list[dict[str, Any]] = []
+        disk = spec.local_disk
+        if disk is not None:
+            tiers.append({"type": LOCAL_TIER_TYPE, "module_path": LOCAL_TIER_MODULE,
+                          "root_dir": disk.mount_path, "capacity_bytes": disk.bytes,
+                          "n_read_threads": disk.read_threads,
+                          "n_write_threads": disk.write_threads})
+        storage = spec.storage
+        backend = self.storage_backend(spec)
+        if storage is not None and backend is not None:
+            tier: dict[str, Any]
+            if backend == StorageBackend.vllm_fs:
+                tier = {"type": "fs"}
+            else:
+                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE}
+            tiers.append(tier | {
+                "root_dir": storage.mount_path,
+                "n_read_threads": storage.read_threads,
+                "n_write_threads": storage.write_threads,
+            })
+        store = spec.object_store
+        if store is not None:
+            # Never a credential here (this is vLLM's command line): boto3 reads them
+            # from the env the Secret gives (engines/chained_tiers.credential_env).
+            tier = {"type": OBJECT_TIER_TYPE, "module_path": OBJECT_TIER_MODULE,
+                    "bucket": store.bucket, "prefix": store.prefix,
+                    "addressing_style": str(store.addressing_style),
+                    "max_concurrency": store.max_concurrency}
+            if store.endpoint is not None:
+                tier["endpoint_url"] = store.endpoint
+            if store.region is not None:
+                tier["region"] = store.region
+            tiers.append(tier)
+        if spec.router.scoring == RouterScoring.precise:
+            for tier in tiers:
+                tier["enable_kv_events"] = True
+        return tiers
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
@@ -157,8 +201,9 @@ class VllmNative(Adapter):
         return not spec.no_cpu_tier
 
     def needs_offload_package(self, spec: TieredPrefixCacheSpec) -> bool:
-        # kvtier's tier or spec, or the /dev/shm sweep run before every start.
-        return self.storage_backend(spec) == StorageBackend.kvtier or self.sweeps_shm(spec)
+        # kvtier's tiers or spec, or the /dev/shm sweep run before every start.
+        return (self.storage_backend(spec) == StorageBackend.kvtier or self.sweeps_shm(spec)
+                or spec.local_disk is not None or spec.object_store is not None)
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         backend = self.storage_backend(spec)

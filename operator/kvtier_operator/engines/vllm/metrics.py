@@ -35,6 +35,7 @@ from kvtier_operator.engines.figures import (
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
     USED_PERCENT,
+    Labels,
     PodFigures,
     Samples,
     buckets,
@@ -45,6 +46,11 @@ from kvtier_operator.engines.figures import (
 )
 
 SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "storage", "p2p": "p2p"}
+# kvtier's tiers on files or objects: vLLM counts a hit on any of them as source "disk";
+# kvtier's own series name each one in their tier label (kvtier_offload.metrics.TIER).
+KVTIER_TIERS = ("localDisk", "storage", "objectStore")
+# A backend older than the tier label counted the shared tier only.
+UNLABELLED_TIER = "storage"
 KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direct mode they "
                     "live in vLLM's worker processes (set PROMETHEUS_MULTIPROC_DIR to "
                     "export them)")
@@ -88,6 +94,9 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     if by_source:
         for source, tokens in by_source.items():
             tier = SOURCE_TIER.get(source)
+            if source == "disk":  # one tier of files or objects, or which is unknown
+                disks = [t for t in offloaded if t in KVTIER_TIERS]
+                tier = disks[0] if len(disks) == 1 else OFFLOADED
             if tier is None:  # external_unspecified: the only offloaded tier, if one
                 tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
             if tier != "gpu" and tier != OFFLOADED and tier not in offloaded:
@@ -108,26 +117,46 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
 
 
 def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
-    if "storage" not in offloaded:
+    tiers = [t for t in offloaded if t in KVTIER_TIERS]
+    if not tiers:
         return
     if not any(name.startswith("kvtier_offload_") for name in samples):
-        for key in ((FAILED_LOADS, "storage"), (LOAD_SECONDS, "storage")):
-            f.missing[key] = KVTIER_UNREACHED
+        for tier in tiers:
+            for key in ((FAILED_LOADS, tier), (LOAD_SECONDS, tier)):
+                f.missing[key] = KVTIER_UNREACHED
         return
+    labelled = _by_tier(samples)
+    for tier in tiers:
+        _kvtier_tier(f, labelled.get(tier, {}), tier)
+
+
+def _by_tier(samples: Samples) -> dict[str, dict[str, list[tuple[Labels, float]]]]:
+    """kvtier's series by their tier label (one without it: the shared tier's)."""
+    out: dict[str, dict[str, list[tuple[Labels, float]]]] = {}
+    for name, series in samples.items():
+        if not name.startswith("kvtier_offload_"):
+            continue
+        for labels, value in series:
+            tier = labels.get("tier", UNLABELLED_TIER)
+            out.setdefault(tier, {}).setdefault(name, []).append((labels, value))
+    return out
+
+
+def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     loaded = total(samples, "kvtier_offload_bytes_total", direction="load")
     stored = total(samples, "kvtier_offload_bytes_total", direction="store")
     if loaded is not None:
-        f.counters[(BYTES_LOADED, "storage")] = loaded
+        f.counters[(BYTES_LOADED, tier)] = loaded
     if stored is not None:
-        f.counters[(BYTES_STORED, "storage")] = stored
+        f.counters[(BYTES_STORED, tier)] = stored
     outcomes = {labels.get("outcome", ""): v for labels, v in
                 samples.get("kvtier_offload_operations_total", ()) if
                 labels.get("direction") == "load"}
-    f.counters[(FAILED_LOADS, "storage")] = sum(v for k, v in outcomes.items() if k != "ok")
-    f.counters[(LOADS, "storage")] = sum(outcomes.values())
+    f.counters[(FAILED_LOADS, tier)] = sum(v for k, v in outcomes.items() if k != "ok")
+    f.counters[(LOADS, tier)] = sum(outcomes.values())
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
-        f.histograms[(LOAD_SECONDS, "storage")] = hist
+        f.histograms[(LOAD_SECONDS, tier)] = hist
 
 
 def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
