@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
     Connector,
@@ -14,7 +15,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
+from kvtier_operator.engines.base import Adapter, ExtraVolume, NoCpuTier, PodRole
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.sizing import PodSizing
 from kvtier_operator.engines.versions import Asked
@@ -131,6 +132,21 @@ class VllmNative(Adapter):
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+
+    def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
+        env = super().env(tpc, role)
+        if tpc.spec.no_cpu_tier and role == PodRole.server:
+            # kvtier's stores run in the worker processes: their metrics reach /metrics
+            # only through prometheus-client's multiprocess mode (names.METRICS_MOUNT).
+            env[names.ENV_MULTIPROC_DIR] = names.METRICS_MOUNT
+        return env
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        if not tpc.spec.no_cpu_tier:
+            return []
+        return [ExtraVolume({"name": names.VOLUME_METRICS,
+                             "emptyDir": {"sizeLimit": names.METRICS_SIZE_LIMIT}},
+                            names.METRICS_MOUNT, read_only=False)]
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
