@@ -332,11 +332,13 @@ def test_the_cpu_tier_s_capacity_on_pages_of_vllm_0_33_s_own_cpu_tier():
     assert out.cpu_capacity_tokens == CPU_TOKENS_033
 
 
-def test_kvtier_s_tier_under_vllm_0_33_s_tiering_reports_through_vllm_s_stats():
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_kvtier_s_tier_under_vllm_s_tiering_reports_through_vllm_s_stats(version):
     """kvtier's storage tier behind vLLM's CPU tier: its kvtier_offload_* counters come
     through vLLM's stats channel to /metrics; the CPU tier served the repeat."""
     tpc = parse_tpc(body())
-    obs = observation(page("vllm-0.33-cpu-storage-t-idle.txt"), page(TIERED_033),
+    obs = observation(page(f"vllm-{version}-cpu-storage-t-idle.txt"),
+                      page(f"vllm-{version}-cpu-storage-t-hit.txt"),
                       offloaded=("cpu", "storage"))
     out = observed_tiers(tpc, ("cpu", "storage"), obs, None, enabled=True)
     by = {t.name: t for t in out.tiers}
@@ -344,6 +346,9 @@ def test_kvtier_s_tier_under_vllm_0_33_s_tiering_reports_through_vllm_s_stats():
     assert by["cpu"].hit_tokens == 192 and out.recompute.percent == 52.0
     assert by["storage"].bytes_stored == 3 * 64 * 2048  # three 64-token chunks stored
     assert by["storage"].failed_loads == 0  # observed: kvtier's counters are on the page
+    # the CPU tier's size: 0.33 exports it, 0.32 does not (and says so)
+    assert (by["cpu"].capacity_bytes == CPU_BYTES_033) == (version == "0.33")
+    assert (out.cpu_capacity_tokens is None) == (version == "0.32")
 
 
 def test_a_block_file_refused_on_load_is_a_failed_load():
