@@ -94,6 +94,7 @@ def _registered(definition: Definition) -> Any:
     if prom is None:
         return _Noop()
     with _LOCK:
+        _forget_at_exit()  # per process: a forked child reuses the parent's metrics
         metric = _METRICS.get(definition.name)
         if metric is None:
             extra: dict[str, Any] = {}
@@ -101,24 +102,23 @@ def _registered(definition: Definition) -> Any:
                 extra["buckets"] = definition.buckets
             if definition.multiprocess_mode:
                 extra["multiprocess_mode"] = definition.multiprocess_mode
-                _forget_at_exit()
             metric = getattr(prom, definition.kind)(definition.name, definition.doc,
                                                     definition.labels, **extra)
             _METRICS[definition.name] = metric
         return metric
 
 
-_FORGET_REGISTERED: list[bool] = []
+_FORGET_REGISTERED: set[int] = set()  # the pids that registered (a fork child is another)
 
 
 def _forget_at_exit() -> None:
     """In multiprocess mode, remove this process's live gauges when it exits (a worker
     that is gone has no queue); called with _LOCK held."""
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if _FORGET_REGISTERED or not directory:
-        return
-    _FORGET_REGISTERED.append(True)
     pid = os.getpid()
+    if pid in _FORGET_REGISTERED or not directory:
+        return
+    _FORGET_REGISTERED.add(pid)
 
     def forget() -> None:
         if os.getpid() != pid:  # a forked child inherited the hook
