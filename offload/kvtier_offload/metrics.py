@@ -2,7 +2,12 @@
 
 - Registered in the process's default prometheus registry (`Metrics()`), for a process
   that serves its own /metrics; with no prometheus-client every call is a no-op and the
-  backend works the same.
+  backend works the same. Without a CPU tier the stores live in vLLM's worker processes,
+  whose registries no /metrics serves: there the operator sets PROMETHEUS_MULTIPROC_DIR
+  (prometheus-client's multiprocess mode, which vLLM's API server reads when it is set),
+  each process writes its values into that directory and the API server sums them.
+  Counters and histograms sum by nature; each gauge says how (`multiprocess_mode`), and
+  a process that exits cleanly removes its live gauges (`mark_process_dead`).
 - Kept in a `Recorder` (`Metrics(recorder)`) for a host that exports them itself. vLLM
   runs its scheduler (where the tier lives) in another process than the API server that
   serves /metrics, so a tier's metrics reach /metrics only through vLLM's stats channel:
@@ -12,6 +17,8 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +53,8 @@ class Definition:
     doc: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    # Gauges: how the API server combines the processes' values in multiprocess mode.
+    multiprocess_mode: str | None = None
 
 
 DEFINITIONS = {d.name: d for d in (
@@ -64,9 +73,10 @@ DEFINITIONS = {d.name: d for d in (
                "1 where the block store runs its C extension, 0 on the Python path; reason: "
                "ok, turned-off, not-built, wrong-build, batch-io-off, or no-digest (the store "
                "refused to start)",
-               (TIER, "reason")),
+               (TIER, "reason"), multiprocess_mode="max"),
     Definition("Gauge", "kvtier_offload_queue_depth",
-               "Block operations submitted and not yet finished", (TIER, "direction")),
+               "Block operations submitted and not yet finished", (TIER, "direction"),
+               multiprocess_mode="livesum"),
 )}
 
 
@@ -92,13 +102,43 @@ def _registered(definition: Definition) -> Any:
     if prom is None:
         return _Noop()
     with _LOCK:
+        _forget_at_exit()  # per process: a forked child reuses the parent's metrics
         metric = _METRICS.get(definition.name)
         if metric is None:
-            extra = {"buckets": definition.buckets} if definition.buckets else {}
+            extra: dict[str, Any] = {}
+            if definition.buckets:
+                extra["buckets"] = definition.buckets
+            if definition.multiprocess_mode:
+                extra["multiprocess_mode"] = definition.multiprocess_mode
             metric = getattr(prom, definition.kind)(definition.name, definition.doc,
                                                     definition.labels, **extra)
             _METRICS[definition.name] = metric
         return metric
+
+
+_FORGET_REGISTERED: set[int] = set()  # the pids that registered (a fork child is another)
+
+
+def _forget_at_exit() -> None:
+    """In multiprocess mode, remove this process's live gauges when it exits (a worker
+    that is gone has no queue); called with _LOCK held."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    pid = os.getpid()
+    if pid in _FORGET_REGISTERED or not directory:
+        return
+    _FORGET_REGISTERED.add(pid)
+
+    def forget() -> None:
+        if os.getpid() != pid:  # a forked child inherited the hook
+            return
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except OSError:
+            pass
+
+    atexit.register(forget)
 
 
 Key = tuple[str, tuple[str, ...]]  # (metric name, label values)

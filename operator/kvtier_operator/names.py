@@ -24,6 +24,14 @@ VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
 VOLUME_LOCAL_DISK = "kvtier-local-disk"
+# Without a CPU tier kvtier's block stores run in vLLM's worker processes: their
+# kvtier_offload_* metrics reach the API server's /metrics through prometheus-client's
+# multiprocess mode, in a directory of the pod's own (an emptyDir; vLLM reads the
+# variable, offload/kvtier_offload/metrics.py).
+VOLUME_METRICS = "kvtier-metrics"
+METRICS_MOUNT = "/var/run/kvtier-metrics"
+METRICS_SIZE_LIMIT = "256Mi"
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 INIT_CONTAINER = "kvtier-offload-install"
 PREPARE_CONTAINER = "kvtier-prepare-tier"  # spec.storage.permissions.prepareDirectory
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:

@@ -114,7 +114,25 @@ def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes()
             "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES},
     }
     assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
-    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
+    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed),
+                                "PROMETHEUS_MULTIPROC_DIR": names.METRICS_MOUNT}
+
+
+def test_no_cpu_tier_gives_the_workers_metrics_a_multiprocess_directory_of_the_pods_own():
+    """kvtier's stores run in vLLM's worker processes in this mode: PROMETHEUS_MULTIPROC_DIR
+    on a writable emptyDir of the pod is what brings their metrics to /metrics (#32)."""
+    pod = inject(tpc({"cpu": None}), vllm_pod(), CTX).pod
+    c = pod["spec"]["containers"][0]
+    assert env_of(c)["PROMETHEUS_MULTIPROC_DIR"] == names.METRICS_MOUNT
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[names.VOLUME_METRICS] == {
+        "name": names.VOLUME_METRICS, "emptyDir": {"sizeLimit": names.METRICS_SIZE_LIMIT}}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == names.VOLUME_METRICS)
+    assert mount["mountPath"] == names.METRICS_MOUNT and not mount.get("readOnly")
+    # with vLLM's own CPU tier the tier's metrics travel with vLLM's stats: nothing added
+    tiered = inject(tpc(), vllm_pod(), CTX).pod
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env_of(tiered["spec"]["containers"][0])
+    assert names.VOLUME_METRICS not in {v["name"] for v in tiered["spec"]["volumes"]}
 
 
 def test_lmcache_cpu():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
     DEFAULT_FILE_TOKENS,
@@ -50,7 +51,6 @@ KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
 LMCACHE_DISK_DIR = "lmcache"  # below the volume mount; the evictor's `lmcache` layout
 # Where LMCache's processes keep their Prometheus files (LMCache's own default and llm-d's
 # guide), on an emptyDir: fresh for each pod, writable whatever the root filesystem.
-ENV_PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 LMCACHE_PROMETHEUS_DIR = "/tmp/lmcache_prometheus"
 PROMETHEUS_VOLUME = "kvtier-lmcache-prometheus"
 NO_CPU_TIER_NEEDS_STORAGE = (
@@ -187,6 +187,21 @@ class VllmNative(Adapter):
                 tier["enable_kv_events"] = True
         return tiers
 
+    def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
+        env = super().env(tpc, role)
+        if tpc.spec.no_cpu_tier and role == PodRole.server:
+            # kvtier's stores run in the worker processes: their metrics reach /metrics
+            # only through prometheus-client's multiprocess mode (names.METRICS_MOUNT).
+            env[names.ENV_MULTIPROC_DIR] = names.METRICS_MOUNT
+        return env
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        if not tpc.spec.no_cpu_tier:
+            return []
+        return [ExtraVolume({"name": names.VOLUME_METRICS,
+                             "emptyDir": {"sizeLimit": names.METRICS_SIZE_LIMIT}},
+                            names.METRICS_MOUNT, read_only=False)]
+
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
         workers = 1
@@ -292,7 +307,7 @@ class VllmLmcache(Adapter):
         env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = str(sizing.lmcache_cpu_gb(spec))
         # LMCache's metrics from every process (vLLM's workers and the API server) meet
         # in one directory, an emptyDir of the pod's (extra_volumes).
-        env[ENV_PROMETHEUS_DIR] = LMCACHE_PROMETHEUS_DIR
+        env[names.ENV_MULTIPROC_DIR] = LMCACHE_PROMETHEUS_DIR
         storage = spec.storage
         if storage is not None:
             env["LMCACHE_LOCAL_DISK"] = f"file://{lmcache_disk_dir(storage.mount_path)}/"

@@ -8,9 +8,11 @@ real API servers, tests/fixtures/metrics/).
 - Bytes between HBM and the first offloaded medium: `vllm:kv_offload_load_bytes` and
   `_store_bytes` (the CPU tier where there is one, else the files).
 - kvtier's backend (the files): `kvtier_offload_bytes`, `_operations` (failed loads:
-  any load outcome but ok), `_latency_seconds` (load p50/p99). They reach /metrics
-  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec;
-  in GPU-direct mode they stay in the worker processes' registries (see `missing`).
+  any load outcome but ok, and `_corrupt_files`: files refused on load),
+  `_latency_seconds` (load p50/p99). They reach /metrics
+  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec,
+  and in GPU-direct mode through prometheus-client's multiprocess directory that kvtier
+  renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
 - Capacity: 0.33's `vllm:kv_offload_config_info` (cpu_kv_cache_size_bytes and _tokens,
   cpu_num_chunks x cpu_blocks_per_chunk); use: `vllm:kv_offload_cpu_cache_usage_perc`,
   `vllm:kv_cache_usage_perc` (HBM), both fractions.
@@ -40,7 +42,6 @@ from kvtier_operator.engines.figures import (
     Samples,
     buckets,
     by_label,
-    first_labels,
     put,
     total,
 )
@@ -52,9 +53,13 @@ KVTIER_TIERS = ("localDisk", "storage", "objectStore")
 # A backend older than the tier label counted the shared tier only.
 UNLABELLED_TIER = "storage"
 KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direct mode they "
-                    "live in vLLM's worker processes (set PROMETHEUS_MULTIPROC_DIR to "
-                    "export them)")
+                    "live in vLLM's worker processes and reach /metrics through "
+                    "PROMETHEUS_MULTIPROC_DIR, which kvtier renders for this mode (a pod "
+                    "injected by an older kvtier lacks it: restart it; one that sets it "
+                    "itself must point it at an empty directory)")
 CONFIG_INFO = "vllm:kv_offload_config_info"
+CPU_INFO_LABELS = ("cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes",
+                   "cpu_kv_cache_size_tokens")
 # Every family read below (the observer parses only these).
 FAMILIES = frozenset({
     "vllm:prompt_tokens", "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source",
@@ -63,6 +68,7 @@ FAMILIES = frozenset({
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
     "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
+    "kvtier_offload_corrupt_files",
 })
 
 
@@ -152,17 +158,31 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     outcomes = {labels.get("outcome", ""): v for labels, v in
                 samples.get("kvtier_offload_operations_total", ()) if
                 labels.get("direction") == "load"}
-    f.counters[(FAILED_LOADS, tier)] = sum(v for k, v in outcomes.items() if k != "ok")
-    f.counters[(LOADS, tier)] = sum(outcomes.values())
+    # A block file refused on load (damaged, foreign, short) is counted by its reason in
+    # kvtier_offload_corrupt_files, not as a load outcome: it is a failed load too.
+    refused = sum(v for _, v in samples.get("kvtier_offload_corrupt_files_total", ()))
+    failed = sum(v for k, v in outcomes.items() if k != "ok") + refused
+    f.counters[(FAILED_LOADS, tier)] = failed
+    f.counters[(LOADS, tier)] = outcomes.get("ok", 0.0) + failed
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
         f.histograms[(LOAD_SECONDS, tier)] = hist
 
 
+def _cpu_tier_info(samples: Samples) -> Labels | None:
+    """The labels of the CPU tier's config-info series: the only series under
+    CPUOffloadingSpec; under TieringOffloadingSpec one series per tier (label `tier`,
+    "0:primary" for the CPU tier), where only the CPU tier's carries cpu_* values."""
+    for labels, _ in samples.get(CONFIG_INFO, ()):
+        if any(labels.get(name) for name in CPU_INFO_LABELS):
+            return labels
+    return None
+
+
 def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
     """(bytes, tokens, engine blocks) of the CPU tier from 0.33's config info; None each
     where absent (0.32, or a mode without vLLM's CPU tier)."""
-    labels = first_labels(samples, CONFIG_INFO)
+    labels = _cpu_tier_info(samples)
     if labels is None:
         return None, None, None
 
