@@ -45,6 +45,7 @@ SLOW_DIRS = ("tests/operator/integration/", "tests/chart/", "tests/e2e/", "tests
 SLOW_MODULES = (
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_worker_contract.py",
+    "tests/offload/test_vllm032_shim.py",
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
     "tests/offload/test_vllm_local_tier.py",
