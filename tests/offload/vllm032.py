@@ -147,7 +147,8 @@ class OffloadingSpec(ABC):
 def install() -> bool:
     """Make `vllm.v1.kv_offload.base` this module where vLLM is not installed; True when
     the shim was installed, False when vLLM is there (nothing changes)."""
-    if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+    hidden = "vllm" in sys.modules and sys.modules["vllm"] is None  # import blocked
+    if not hidden and ("vllm" in sys.modules or importlib.util.find_spec("vllm") is not None):
         return False  # found without importing it (vLLM takes seconds to import)
     names = ("vllm", "vllm.v1", "vllm.v1.kv_offload")
     for name in names:
