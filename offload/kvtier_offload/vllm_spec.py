@@ -22,7 +22,10 @@ Failures cost a recompute, never an engine stop nor unverified bytes:
   The bad file is removed by the store.
 Every tensor/pipeline-parallel rank writes its own files (the fingerprint names the
 rank); a lookup is a hit only where every rank's file is there, and refreshes them all
-so the evictor's LRU keeps every rank's copy of what was just promised.
+so the evictor's LRU keeps every rank's copy of what was just promised. Where vLLM marks
+the layout replicated (pure-MLA, TP only: every rank's bytes are the same), rank 0
+alone stores (vLLM submits stores to rank 0 only and acknowledges for the others),
+every rank loads rank 0's files, and a lookup asks that one copy.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
 
 
+def replicated(config: Any) -> bool:
+    """Whether every rank's KV bytes are the same (vLLM's replicated_layout: pure MLA
+    with tensor parallelism only), so one copy, rank 0's, serves every rank. Not with
+    vLLM's canonical layout, where vLLM has every rank write."""
+    return bool(getattr(config, "replicated_layout", False)) and not bool(
+        getattr(config, "canonical_layout", False))
+
+
 def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
     """What makes the files of one worker rank incompatible: the shared fields, the
     worker's page size and the rank (each rank writes its own pages). Computable for every
@@ -78,9 +89,11 @@ def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
     tensor parallelism every rank holds the same layers at the same page size; with
     pipeline parallelism each stage holds other layers, which the scheduler does not
     know, so there the rank (with tp, pp and the model) names the stage, and each block
-    file's header still checks the payload length."""
+    file's header still checks the payload length. With a replicated layout every rank
+    names rank 0's files."""
     fields = {**vllm_fields(config), "mode": "worker",
-              "page_bytes": config.worker_kv_bytes_per_block, "rank": rank}
+              "page_bytes": config.worker_kv_bytes_per_block,
+              "rank": 0 if replicated(config) else rank}
     if config.parallel.pp_size > 1:
         fields["groups"] = [{"tokens_per_block": g["tokens_per_block"]}
                             for g in fields["groups"]]
@@ -728,6 +741,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "(a hybrid model: vLLM cannot recompute a failed sync load by block id "
                 "there). Remove sync_load_budget_bytes from kv_connector_extra_config.")
         self._manager: KvtierOffloadingManager | None = None
+        # vLLM's connector then submits stores on rank 0 only (the others acknowledge)
+        self.replicated_layout = replicated(config)
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -737,7 +752,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             stores = []
-            for rank in range(max(1, self.config.parallel.world_size)):
+            copies = 1 if self.replicated_layout else max(1, self.config.parallel.world_size)
+            for rank in range(copies):
                 fields = rank_fingerprint(self.config, rank)
                 store = _store(self, fields, lookups_only=True)
                 store.layout.write_config(fields)
