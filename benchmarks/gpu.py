@@ -250,9 +250,13 @@ def _scatter_all(worker: Any, pieces: list[Any]) -> None:
 
 def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
     """B2: the worker's gather and scatter alone, through its staging region."""
+    from kvtier_offload.page_copy import vllm_batch_copy
     from kvtier_offload.vllm_spec import _Job
 
-    print("\n### B2 kvtier device phase alone (block store idle; ratio to B0)\n")
+    how = ("by address (vLLM's swap_blocks_batch)" if vllm_batch_copy() is not None
+           else "by gather/scatter kernels (no vLLM CUDA ops here)")
+    print(f"\n### B2 kvtier device phase alone (block store idle; ratio to B0; pages "
+          f"copied {how})\n")
     print("| shape | blocks | ids | size | gather+D2H | ratio | H2D+scatter | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (layers, page) in SHAPES.items():
@@ -280,6 +284,7 @@ def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
                 for piece in pieces:
                     worker.arena.give(piece.run)
                 _row("B2", shape=name, blocks=blocks, ids="random" if random else "contiguous",
+                     page_copy=worker.page_copy,
                      bytes=nbytes, store_gbps=nbytes / t_out / 1e9,
                      store_ratio=_anchor(raw, "d2h", nbytes) / t_out,
                      load_gbps=nbytes / t_in / 1e9,

@@ -59,6 +59,12 @@ from vllm.v1.kv_offload.base import (
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
+from kvtier_offload.page_copy import (
+    BatchCopy,
+    PageAddresses,
+    memmove_batch_copy,
+    vllm_batch_copy,
+)
 from kvtier_offload.store import BlockStore, StoreConfig
 
 log = logging.getLogger("kvtier_offload")
@@ -288,7 +294,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                  blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
                  max_device_temp_bytes: int = 64 << 20,
                  shutdown_timeout: float = 10.0, load_timeout: float = 30.0,
-                 store_device_bytes: int = 128 << 20) -> None:
+                 store_device_bytes: int = 128 << 20, page_copy: str = "auto") -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -304,6 +310,22 @@ class KvtierOffloadingWorker(OffloadingWorker):
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.rows.view(wide)
         self._widths = [v.shape[1] for v in self._views]
+        # page_copy: "auto" copies pages by address with vLLM's swap_blocks_batch where
+        # the cache is on a GPU and vLLM has it (one call per piece, copy engines only),
+        # else with gather/scatter kernels ("kernels"); "addresses" insists on copying by
+        # address (by memmove on CPU).
+        self._batch_copy: BatchCopy | None = None
+        if page_copy not in ("auto", "kernels", "addresses"):
+            raise ValueError(f"page_copy is auto, kernels or addresses, not {page_copy!r}")
+        if page_copy != "kernels":
+            self._batch_copy = vllm_batch_copy() if self.cuda else (
+                memmove_batch_copy if page_copy == "addresses" else None)
+            if page_copy == "addresses" and self._batch_copy is None:
+                raise ValueError("page_copy=addresses needs vLLM's swap_blocks_batch (a "
+                                 "CUDA build of vLLM) for a KV cache on a GPU")
+        self._addresses = (PageAddresses(self._views, self.arena.rows)
+                           if self._batch_copy is not None else None)
+        self.page_copy = "addresses" if self._batch_copy is not None else "kernels"
         # Rows per piece: bounds the device scratch of one copy (a gather holds its
         # index_select parts and their concatenation at once: twice the piece), and
         # leaves room for a job's next piece to be copied while this one is written or
@@ -371,6 +393,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         run = piece.run
         assert run is not None
         self.arena.index_array[run.start:run.stop] = piece.block_ids
+        if self._batch_copy is not None and self._addresses is not None:
+            cache, staging, sizes = self._addresses.of(piece.block_ids, run.start)
+            with self._on(self._store_stream):
+                # stream order: the source is what the compute stream wrote before
+                self._batch_copy(cache, staging, sizes, False)
+                return self._fence(self._store_stream)
         with self._on(self._store_stream):
             index = self._index(run)
             parts = [view.index_select(0, index) for view in self._views]
@@ -383,6 +411,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         slots hold their ids); returns the fence."""
         run = piece.run
         assert run is not None
+        if self._batch_copy is not None and self._addresses is not None:
+            ids = self.arena.index_array[run.start:run.start + rows]
+            cache, staging, sizes = self._addresses.of(ids, run.start)
+            with self._on(self._load_stream):
+                # the staging rows were filled by the I/O threads before: any order
+                self._batch_copy(staging, cache, sizes, True)
+                return self._fence(self._load_stream)
         with self._on(self._load_stream):
             index = self._index(Run(run.start, rows))
             packed = self._staging[run.start:run.start + rows].to(self.device,
@@ -773,4 +808,5 @@ class KvtierOffloadingSpec(OffloadingSpec):
             _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
             shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)),
+            page_copy=str(self.extra_config.get("page_copy", "auto")),
             load_timeout=float(self.extra_config.get("load_timeout_seconds", 30.0)))

@@ -244,3 +244,66 @@ def test_pytorch_calls_per_submit_do_not_grow_with_the_blocks(tmp_path, layout):
     # index H2D, T index_select, cat (T > 1), copy_ into staging, plus Tensor views
     assert counts[1] <= 2 * tensors + 8, f"{counts[1]} calls for one piece of {tensors} tensors"
     worker.shutdown()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("layout", ["per-layer", "packed-cross-layer", "strided-rows"])
+def test_copying_pages_by_address_round_trips_bit_identically(tmp_path, layout, dtype):
+    """R3/R4: the descriptors vLLM's swap_blocks_batch gets on a GPU (one per block and
+    tensor page: cache address, staging address, size), copied by memmove on CPU: the
+    same bytes as the kernels, and no byte outside the pages (strided padding) moves."""
+    from tests.offload.worker_cases import round_trip
+
+    round_trip(tmp_path, layout, DTYPES[dtype], "cpu", page_copy="addresses",
+               src=[0, 5, 6, 23], dst=[1, 2, 20, 22])
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "packed-cross-layer"])
+def test_copying_by_address_is_a_few_calls_per_piece_whatever_the_tensors(tmp_path, layout):
+    """R3: copying by address costs the engine thread the same few PyTorch calls per
+    piece for one tensor or many (the kernels cost one or two per tensor)."""
+    counts = {}
+    for layers in (2, 8):
+        from tests.offload import worker_cases
+
+        caches = worker_cases.kv_caches(layout, DTYPES["bf16"], "cpu", num_blocks=48)
+        if layout == "per-layer":  # more layers: more tensors
+            caches.tensors.extend(worker_cases.kv_caches(
+                layout, DTYPES["bf16"], "cpu", num_blocks=48).tensors * (layers // 2 - 1))
+        worker = make_worker(tmp_path / f"{layers}", caches, page_copy="addresses")
+        assert worker.page_copy == "addresses"
+        blocks = list(range(4, 20))
+        with _Calls() as calls:
+            worker.submit_store(1, *_specs(blocks, keys_for(blocks)))
+        counts[layers] = len(calls.names)
+        assert finish(worker, {1}) == {1: True}
+        worker.shutdown()
+    assert counts[2] == counts[8] <= 6, f"calls per piece: {counts}"
+
+
+def test_page_copy_is_checked_and_auto_on_cpu_is_the_kernels(tmp_path):
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu")
+    assert make_worker(tmp_path, caches).page_copy == "kernels"
+    with pytest.raises(ValueError, match="page_copy is auto, kernels or addresses"):
+        make_worker(tmp_path, caches, page_copy="dma")
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "strided-rows"])
+def test_files_stored_by_address_are_the_files_the_kernels_store(tmp_path, layout):
+    """Workers copying by address and by kernels share a volume (replicas, restarts):
+    each loads what the other stored, bit for bit, so the files are the same."""
+    caches = kv_caches(layout, DTYPES["bf16"], "cpu")
+    by_address = make_worker(tmp_path, caches, page_copy="addresses")
+    by_kernels = make_worker(tmp_path, caches, page_copy="kernels")
+    for n, (store, load) in enumerate(((by_address, by_kernels), (by_kernels, by_address))):
+        src, dst = [2 + n, 9 + n], [16 + n, 19 + n]
+        keys = keys_for(src, salt=n)
+        store.submit_store(1, *_specs(src, keys))
+        assert finish(store, {1}) == {1: True}
+        gpu, files = _specs(dst, keys)
+        load.submit_load(2, files, gpu)
+        assert finish(load, {2}) == {2: True}
+        for t in caches.tensors:
+            assert torch.equal(t.tensor[dst], t.tensor[src])
+    by_address.shutdown()
+    by_kernels.shutdown()

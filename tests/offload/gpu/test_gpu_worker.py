@@ -262,3 +262,14 @@ def test_g14_shutdown_with_transfers_in_flight(tmp_path):
     assert worker._store_stream.query() and worker._load_stream.query()
     torch.cuda.synchronize()
     round_trip(tmp_path / "again", "per-layer", DTYPES["bf16"], "cuda")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_round_trip_by_address_with_vllms_swap_blocks_batch(tmp_path, layout):
+    """R3/R4: pages copied by address on the copy engines (vLLM's swap_blocks_batch, one
+    call per piece); needs a CUDA build of vLLM, skipped with the torch-only stand-in."""
+    from kvtier_offload.page_copy import vllm_batch_copy
+
+    if vllm_batch_copy() is None:
+        pytest.skip("needs vLLM's CUDA ops (swap_blocks_batch)")
+    round_trip(tmp_path, layout, DTYPES["bf16"], "cuda", page_copy="addresses")
