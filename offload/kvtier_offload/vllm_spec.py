@@ -809,4 +809,5 @@ class KvtierOffloadingSpec(OffloadingSpec):
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
             shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)),
             page_copy=str(self.extra_config.get("page_copy", "auto")),
+            store_device_bytes=int(self.extra_config.get("store_device_bytes", 128 << 20)),
             load_timeout=float(self.extra_config.get("load_timeout_seconds", 30.0)))
