@@ -508,10 +508,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.stores_dropped += len(piece.keys)
         self._dropped.inc(len(piece.keys))
 
-    def _start_stores(self) -> None:
+    def _start_stores(self, device_bound: bool = True) -> None:
+        """Start queued store pieces while staging (and, with device_bound, the device
+        queue's bound) has room."""
         while self._store_waiting:
             piece = self._store_waiting[0]
-            device_room = self.store_device_rows - self._store_rows_on_device
+            device_room = (self.store_device_rows - self._store_rows_on_device
+                           if device_bound else len(piece.keys))
             room = min(len(piece.keys), self.store_rows_cap - self._store_rows_held,
                        device_room)
             run = self.arena.take(room)
@@ -725,6 +728,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         the engine here. Expedited (sync) loads, which the step needs, are waited for
         until their pages are in the KV cache or reported failed (at most
         load_timeout)."""
+        if any(piece.job.job_id in job_ids for piece in self._store_waiting):
+            # wait() blocks on these copies anyway: the device bound (there for loads
+            # queued behind) must not make vLLM's flush drop stores staging can hold
+            self._start_stores(device_bound=False)
         kept: deque[_Piece] = deque()
         for piece in self._store_waiting:
             if piece.job.job_id in job_ids:

@@ -29,26 +29,32 @@ from tests.offload.worker_cases import (  # noqa: E402
 
 class Fence:
     """A device copy, running until the test fires it (or wait() synchronizes it);
-    counts how often it was asked."""
+    counts how often it was asked. Copies on one stream finish in order, so waiting
+    for one fires every fence queued before it on that stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: list[Fence] | None = None) -> None:
         self.fired = False
         self.queries = 0
+        self.stream = stream if stream is not None else [self]
 
     def query(self) -> bool:
         self.queries += 1
         return self.fired
 
     def synchronize(self) -> None:
-        self.fired = True
+        for fence in self.stream[:self.stream.index(self) + 1]:
+            fence.fired = True
 
 
 def _fenced(worker) -> list[Fence]:
     """Every device copy the worker queues from now on gets a Fence the test fires."""
     fences: list[Fence] = []
+    streams: dict[int, list[Fence]] = {}
 
-    def fence(*_) -> Fence:
-        fences.append(Fence())
+    def fence(stream=None) -> Fence:
+        queue = streams.setdefault(id(stream), [])
+        queue.append(Fence(queue))
+        fences.append(queue[-1])
         return fences[-1]
 
     worker._fence = fence
@@ -307,3 +313,23 @@ def test_files_stored_by_address_are_the_files_the_kernels_store(tmp_path, layou
             assert torch.equal(t.tensor[dst], t.tensor[src])
     by_address.shutdown()
     by_kernels.shutdown()
+
+
+def test_a_flushed_store_is_copied_whole_where_staging_holds_it(tmp_path):
+    """The device queue's bound holds a store's later pieces on the host; when vLLM
+    flushes the job (preemption) wait() copies them all, since it blocks on those copies
+    anyway, rather than dropping what staging could hold."""
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=64)
+    page = _page(caches)
+    worker = make_worker(tmp_path, caches, max_device_temp_bytes=2 * 2 * page,
+                         max_staging_bytes=1 << 22, store_device_bytes=2 * page)
+    fences = _fenced(worker)
+    blocks = list(range(4, 36))
+    worker.submit_store(1, *_specs(blocks, keys_for(blocks)))
+    assert worker._store_waiting, "the bound held nothing back"
+    worker.wait({1})
+    assert all(f.fired for f in fences) and worker.stores_dropped == 0
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    finish(worker, set())
+    assert len(list(tmp_path.rglob("*.kvb"))) == 32
+    worker.shutdown()
