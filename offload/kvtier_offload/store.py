@@ -218,6 +218,8 @@ class BlockStore:
         self._logged: set[str] = set()
         self._closed = False
         self._pool = pool if pool is not None else _sized_pool(config, memory_speed)
+        # every thread writes where the pool has no write-first threads
+        self._admission.writers = self._pool.write_threads or self._pool.threads
         self._background = BackgroundLookup(
             self._stat_key, config.lookup_threads, config.lookup_queue_limit,
             min(config.lookup_pending_seconds, config.lookup_hit_ttl / 2))
