@@ -56,8 +56,11 @@ def test_watch_namespaces_get_roles_and_no_cluster_rights():
                         if "customresourcedefinitions" not in rule["resources"]]
     for namespace in ("ml", "serving"):
         assert roles[namespace, "rel-kvtier"]["rules"] == namespaced_rules
+    # what a cache may name in another namespace: the Mooncake master's Service and the
+    # Mooncake client DaemonSet, only read
     assert roles["mooncake", "rel-kvtier-references"]["rules"] == [
-        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"]}]
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get"]}]
     bindings = by_kind(objs, "RoleBinding")
     assert {(b["metadata"]["namespace"], b["roleRef"]["kind"], b["roleRef"]["name"])
             for b in bindings} == {("ml", "Role", "rel-kvtier"),
