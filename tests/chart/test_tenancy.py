@@ -21,6 +21,7 @@ import yaml
 from kvtier_operator import names
 from kvtier_operator.context import RenderContext
 from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.object_evictor import render_object_evictor
 from kvtier_operator.rollout import LWS, Workload, _patch
 from kvtier_operator.validation import parse_tpc
 from tests.chart.test_chart import by_kind, render
@@ -180,6 +181,55 @@ def test_a_cronjob_that_is_not_the_evictor_is_denied(policies, change):
     # anyone else's CronJob is none of this policy's business
     assert admitted(policies["cronjobs"], "CREATE", "cronjobs", cronjob,
                     user="system:serviceaccount:ml:ci") == []
+
+
+OBJECTS = {"bucket": "kv-cache", "endpoint": "https://rgw.storage.svc:443", "budget": "10Ti",
+           "credentialsSecret": {"name": "kv-s3", "sessionTokenKey": "token"}}
+
+
+def object_evictor_cronjob() -> dict:
+    """The object store's eviction CronJob (spec.objectStore), rendered with the chart's
+    offload image as the operator gets it."""
+    (deployment,) = by_kind(render(), "Deployment")
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    tpc = parse_tpc(merge(tpc_doc({"objectStore": OBJECTS}), {"metadata": {"uid": "u-1"}}))
+    cronjob = render_object_evictor(tpc, RenderContext(offload_image=env["KVTIER_OFFLOAD_IMAGE"]))
+    assert cronjob is not None
+    return cronjob
+
+
+HOSTILE_OBJECT_CRONJOBS = {
+    "another image": lambda c: _pod(c)["containers"][0].update(image="evil/shell:1"),
+    "another command": lambda c: _pod(c)["containers"][0].update(command=["sh", "-c", "id"]),
+    "other kvtier_offload verb": lambda c: _pod(c)["containers"][0].update(
+        args=["install", "--dest", "/"]),
+    "another Secret key as env": lambda c: _pod(c)["containers"][0]["env"].append({
+        "name": "T", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}}),
+    "a literal credential": lambda c: _pod(c)["containers"][0]["env"].append({
+        "name": "AWS_ACCESS_KEY_ID", "value": "x"}),
+    "envFrom": lambda c: _pod(c)["containers"][0].update(envFrom=[{"secretRef": {"name": "x"}}]),
+    "a Secret volume": lambda c: _pod(c).update(
+        volumes=[{"name": "s", "secret": {"secretName": "db"}}]),
+    "a token": lambda c: _pod(c).update(automountServiceAccountToken=True),
+    "the evictor's image as object evictor": lambda c: _pod(c)["containers"][0].update(
+        image=evictor_cronjob()["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        ["containers"][0]["image"]),
+}
+
+
+def test_the_object_evictor_cronjob_kvtier_renders_is_allowed(policies):
+    cronjob = object_evictor_cronjob()
+    assert _pod(cronjob)["containers"][0]["env"], "the test needs the Secret env rendered"
+    assert admitted(policies["cronjobs"], "CREATE", "cronjobs", cronjob) == []
+    assert admitted(policies["cronjobs"], "UPDATE", "cronjobs", cronjob, cronjob) == []
+
+
+@pytest.mark.parametrize("change", sorted(HOSTILE_OBJECT_CRONJOBS))
+def test_an_object_cronjob_that_is_not_kvtier_s_is_denied(policies, change):
+    cronjob = object_evictor_cronjob()
+    HOSTILE_OBJECT_CRONJOBS[change](cronjob)
+    assert admitted(policies["cronjobs"], "CREATE", "cronjobs", cronjob) != []
 
 
 def workload(name: str) -> dict:
