@@ -46,6 +46,7 @@ SLOW_MODULES = (
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
+    "tests/offload/test_vllm_recompute_bound.py",
     "tests/offload/test_vllm_local_tier.py",
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
     "tests/offload/test_syscalls.py",  # strace in a child per test
