@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Reasons a request recomputed rather than wait for or load the tier (metric label).
 LOOKUP_WAIT = "lookup-wait"  # the volume's answers would come later than recompute ends
@@ -96,13 +96,12 @@ class PrefillRate(Rate):
 @dataclass
 class RequestWait:
     """One request's lookups: when the manager first heard of it, the token span its keys
-    cover (start: the first asked key's first token; end: the furthest key's last), keys
-    the volume confirmed for it, and, once decided, the token up to which it loads."""
+    cover (start: the first asked key's first token; end: the furthest key's last) and,
+    once decided, the token up to which it loads."""
 
     started: float
     start: int
     end: int
-    confirmed: set[bytes] = field(default_factory=set)
     cut: int | None = None  # keys ending past this token are recomputed
     reason: str | None = None
 

@@ -200,8 +200,6 @@ class KvtierOffloadingManager(OffloadingManager):
         wait = self._wait_of(req_context.req_id, end)
         if wait.cut is not None and end > wait.cut:
             return LookupResult.MISS  # decided: recompute from here
-        if raw in wait.confirmed:  # this request's own stat found it: no second ask
-            return LookupResult.HIT
         measured = self.prefill.per_unit is not None
         answer = self._ask_stores(raw, patient=measured)
         if answer is LookupResult.RETRY:
@@ -216,7 +214,6 @@ class KvtierOffloadingManager(OffloadingManager):
             if load_slower(wait.at_stake, self.prefill, self._load_seconds(wait.at_stake)):
                 self._recompute_from(wait, wait.start, LOAD_SLOWER)
                 return LookupResult.MISS
-            wait.confirmed.add(raw)
         return answer
 
     def _ask_stores(self, key: bytes, patient: bool) -> LookupResult:
