@@ -11,7 +11,7 @@ CRD := crds/tieredprefixcaches.kvtier.dev.yaml
 HELM := .tools/helm
 
 .PHONY: demo test test-vllm033 check lint crds docs bench images clean glusterfs-packages \
-  ceph-packages engine-sources sanitize
+  ceph-packages engine-sources sanitize gpu-check gpu-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -182,5 +182,24 @@ images:
 bench: $(STAMP_DEV) glusterfs-packages
 	$(BIN)/python -m benchmarks
 
+# The GPU machines this project borrows have CUDA torch, no vLLM, no network, and take at
+# most 64 MiB carried in. `make gpu-check` runs there from a fresh checkout with the
+# machine's own Python (no venv, nothing installed): every GPU test and the GPU benchmark,
+# one report (scripts/gpu_check.py says what is in it). It finishes in about 6 minutes
+# at most. Pure-Python helpers the machine may lack (pytest, python-xxhash) come from
+# .gpu-deps: `make gpu-deps` fills it here (about 10 MiB, wheels for GPU_PYTHON_VERSION),
+# and the run carries it.
+GPU_PYTHON ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_REPORT ?= gpu-check-report.md
+gpu-check:
+	PYTHONPATH=offload:. $(GPU_PYTHON) scripts/gpu_check.py --report $(GPU_REPORT)
+
+gpu-deps: | $(BIN)/python
+	rm -rf .gpu-deps
+	$(PIP) --no-compile --target .gpu-deps --python-version $(GPU_PYTHON_VERSION) \
+	  --implementation cp --platform manylinux_2_17_x86_64 --only-binary=:all: \
+	  pytest==9.2.0 xxhash==4.1.0
+
 clean:
-	rm -rf $(VENV) $(VENV033) $(VENV033).tmp .tools .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV033) $(VENV033).tmp .tools .pytest_cache .ruff_cache .gpu-deps

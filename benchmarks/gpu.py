@@ -10,11 +10,20 @@ this prints that it skips).
   region, block store idle, timed with CUDA events, contiguous and random block ids;
   and the wall time of submit_store while the GPU is busy;
 - B3 GPU -> file -> GPU through the real block store on tmpfs (a temp dir on disk
-  where mounting is not permitted), polled as vLLM polls.
+  where mounting is not permitted), polled as vLLM polls: every run stores fresh keys
+  (a directory per shape), its store figure lasts until the files are written (stores
+  are acknowledged to vLLM at the device copy, before the write), and each run's files
+  are removed after its load, so the scratch volume holds one job at a time;
+- F the volume's own parallel file floor on the same scratch: plain 2 MiB file writes
+  and reads on 16 threads, no kvtier; B3 is also given as a ratio to the slower of
+  pinned DMA and this floor.
 
 Shapes: 32 layers x 64 KiB pages (an 8B model at TP1) and 80 x 8 KiB (70B at TP8).
 Medians of KVTIER_BENCH_GPU_RUNS runs (20) after 5 warm-ups; KVTIER_BENCH_GPU_QUICK=1
-runs a small subset (what the GPU test suite uses to check this file works).
+runs a small subset (what the GPU test suite uses to check this file works). Without
+vLLM (torch alone, as on the GPU machines this project borrows) the worker's few vLLM
+types come from tests/offload/vllm032.py and B1 says it cannot run. run() returns every
+figure as rows (scripts/gpu_check.py writes them into its report).
 """
 
 from __future__ import annotations
@@ -38,6 +47,34 @@ RAW_SIZES = (2 * MiB, 64 * MiB) if QUICK else (2 * MiB, 8 * MiB, 64 * MiB, 512 *
 SHAPES = {"8B-TP1 32x64KiB": (32, 64 << 10), "70B-TP8 80x8KiB": (80, 8 << 10)}
 JOB_BLOCKS = (1, 16) if QUICK else (1, 16, 256, 1024)
 STAGING = (256 * MiB) if QUICK else (4 << 30)
+FLOOR_FILE = 2 * MiB
+FLOOR_THREADS = 16
+FLOOR_BYTES = (256 * MiB) if QUICK else (2 << 30)
+HEADROOM = 64 * MiB  # file headers, directories, the free-space floor's 2%
+
+
+def scratch_bytes() -> int:
+    """What B3 and F write at most at once: the largest job of the largest shape (one
+    job's files at a time), or the floor's files, plus headroom."""
+    job = max(layers * page for layers, page in SHAPES.values()) * max(JOB_BLOCKS)
+    return int(max(job, FLOOR_BYTES) * 1.05) + HEADROOM
+
+
+def _use_vllm_types() -> str:
+    """vLLM's own kv_offload types where vLLM imports, else the test-only stand-in;
+    says which."""
+    from tests.offload.vllm032 import install, is_shim
+
+    install()
+
+    return "tests/offload/vllm032.py (no vLLM)" if is_shim() else "vLLM"
+
+
+ROWS: list[dict[str, Any]] = []  # every figure of this run, for run()'s caller
+
+
+def _row(section: str, **figures: Any) -> None:
+    ROWS.append({"section": section, **figures})
 
 
 def _skip_reason() -> str | None:
@@ -106,6 +143,8 @@ def raw_dma() -> dict[tuple[str, int], float]:
         out["d2h", size] = _median_seconds(d2h, [s1])
         out["h2d", size] = _median_seconds(h2d, [s2])
         out["both", size] = _median_seconds(both, [s1, s2])
+        _row("B0", bytes=size, d2h_gbps=size / out["d2h", size] / 1e9,
+             h2d_gbps=size / out["h2d", size] / 1e9, both_gbps=size / out["both", size] / 1e9)
         print(f"| {size // MiB} MiB | {_gbps(size, out['d2h', size])} | "
               f"{_gbps(size, out['h2d', size])} | {_gbps(size, out['both', size])} |")
         del dev, host
@@ -153,6 +192,7 @@ def vllm_dma(raw: dict[tuple[str, int], float]) -> None:
         torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018 (present in CUDA builds only)
     except (ImportError, AttributeError, RuntimeError) as err:
         print(f"\n### B1 vLLM swap_blocks_batch: not callable here ({err})")
+        _row("B1", skipped=f"not callable here ({err})")
         return
     print("\n### B1 vLLM swap_blocks_batch on the same pages (ratio to B0)\n")
     print("| shape | blocks | size | D2H | ratio | H2D | ratio |")
@@ -180,6 +220,10 @@ def vllm_dma(raw: dict[tuple[str, int], float]) -> None:
 
             nbytes = blocks * row
             t_out, t_in = _median_seconds(d2h, [stream]), _median_seconds(h2d, [stream])
+            _row("B1", shape=name, blocks=blocks, bytes=nbytes,
+                 store_gbps=nbytes / t_out / 1e9,
+                 store_ratio=_anchor(raw, "d2h", nbytes) / t_out,
+                 load_gbps=nbytes / t_in / 1e9, load_ratio=_anchor(raw, "h2d", nbytes) / t_in)
             print(f"| {name} | {blocks} | {nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
                   f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
                   f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
@@ -206,9 +250,13 @@ def _scatter_all(worker: Any, pieces: list[Any]) -> None:
 
 def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
     """B2: the worker's gather and scatter alone, through its staging region."""
+    from kvtier_offload.page_copy import vllm_batch_copy
     from kvtier_offload.vllm_spec import _Job
 
-    print("\n### B2 kvtier device phase alone (block store idle; ratio to B0)\n")
+    how = ("by address (vLLM's swap_blocks_batch)" if vllm_batch_copy() is not None
+           else "by gather/scatter kernels (no vLLM CUDA ops here)")
+    print(f"\n### B2 kvtier device phase alone (block store idle; ratio to B0; pages "
+          f"copied {how})\n")
     print("| shape | blocks | ids | size | gather+D2H | ratio | H2D+scatter | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (layers, page) in SHAPES.items():
@@ -235,6 +283,12 @@ def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
                 t_in = _median_seconds(scatter, [worker._load_stream])
                 for piece in pieces:
                     worker.arena.give(piece.run)
+                _row("B2", shape=name, blocks=blocks, ids="random" if random else "contiguous",
+                     page_copy=worker.page_copy,
+                     bytes=nbytes, store_gbps=nbytes / t_out / 1e9,
+                     store_ratio=_anchor(raw, "d2h", nbytes) / t_out,
+                     load_gbps=nbytes / t_in / 1e9,
+                     load_ratio=_anchor(raw, "h2d", nbytes) / t_in)
                 print(f"| {name} | {blocks} | {'random' if random else 'contiguous'} | "
                       f"{nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
                       f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
@@ -264,14 +318,17 @@ def busy_submit(worker: Any, num_blocks: int) -> None:
     poll = time.perf_counter() - start
     torch.cuda.synchronize()
     _finish(worker, {1 << 40})
+    _row("submit", blocks=blocks, submit_store_ms=submit * 1e3, get_finished_ms=poll * 1e3)
     print(f"\nsubmit_store of {blocks} blocks with the GPU busy: {submit * 1e3:.2f} ms; "
           f"get_finished: {poll * 1e3:.2f} ms (target: under 1 ms)")
 
 
 def _finish(worker: Any, jobs: set[int], timeout: float = 300.0) -> dict[int, bool]:
+    """Poll as vLLM does until the jobs are reported and every store's files are
+    written (a store is reported at its device copy, before its write)."""
     done: dict[int, bool] = {}
     deadline = time.monotonic() + timeout
-    while not jobs <= done.keys():
+    while not jobs <= done.keys() or worker.writes_in_flight:
         if time.monotonic() > deadline:
             raise TimeoutError(f"jobs {jobs - done.keys()} never finished")
         done |= {r.job_id: r.success for r in worker.get_finished()}
@@ -279,25 +336,41 @@ def _finish(worker: Any, jobs: set[int], timeout: float = 300.0) -> dict[int, bo
     return done
 
 
-def end_to_end(raw: dict[tuple[str, int], float], root: str, where: str) -> None:
+def _remove_files(root: str) -> int:
+    """Remove the block files under root (a run's, after its load); how many."""
+    count = 0
+    for folder, _dirs, names in os.walk(root):
+        for name in names:
+            if name.endswith(".kvb"):
+                os.unlink(os.path.join(folder, name))
+                count += 1
+    return count
+
+
+def end_to_end(raw: dict[tuple[str, int], float], root: str, where: str,
+               floor: dict[str, float] | None = None) -> None:
     """B3: GPU -> file -> GPU through the real block store."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
 
-    print(f"\n### B3 GPU -> file -> GPU on {where} (ratio to B0)\n")
-    print("| shape | blocks | size | store | ratio | load | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n### B3 GPU -> file -> GPU on {where} (ratio to B0, and to the slower of B0 "
+          "and the file floor F)\n")
+    print("| shape | blocks | size | store | ratio | vs floor | load | ratio | vs floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     job = 0
-    for name, (layers, page) in SHAPES.items():
+    for shape, (name, (layers, page)) in enumerate(SHAPES.items()):
         num_blocks = 2 * max(JOB_BLOCKS) + 64
         caches = _kv(layers, page, num_blocks)
-        worker = _worker(os.path.join(root, "b3"), caches)
+        shape_root = os.path.join(root, f"b3-{shape}")  # one fingerprint per shape
+        worker = _worker(shape_root, caches)
         for blocks in JOB_BLOCKS:
             stores, loads = [], []
-            # the same files each run (overwritten): tmpfs holds one set per job size
-            keys = [(blocks << 32 | i).to_bytes(36, "big") for i in range(blocks)]
             for run in range(max(1, RUNS // 4)):
+                # fresh keys every run: a key already stored would be settled as there
+                # without a write, and the store figure would skip the volume
+                keys = [(run << 48 | blocks << 24 | i).to_bytes(36, "big")
+                        for i in range(blocks)]
                 job += 2
                 start = time.perf_counter()
                 worker.submit_store(job, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
@@ -310,35 +383,100 @@ def end_to_end(raw: dict[tuple[str, int], float], root: str, where: str) -> None
                                    GPULoadStoreSpec(dst, [blocks], [0]))
                 loaded = _finish(worker, {job + 1})
                 loads.append(time.perf_counter() - start)
-                if not (stored[job] and loaded[job + 1]) or worker.stores_dropped:
-                    raise RuntimeError(f"run {run}: a job failed or a store was dropped")
+                written = _remove_files(shape_root)
+                if not (stored[job] and loaded[job + 1]) or worker.stores_dropped \
+                        or written != blocks:
+                    raise RuntimeError(f"{name}, {blocks} blocks, run {run}: a job failed, a "
+                                       f"store was dropped, or {written} of {blocks} files "
+                                       "were written")
             nbytes = blocks * worker.page_total
             t_out, t_in = statistics.median(stores), statistics.median(loads)
+            dma_out, dma_in = _anchor(raw, "d2h", nbytes), _anchor(raw, "h2d", nbytes)
+            # the slower side: pinned DMA or the volume's own parallel floor
+            floor_out = max(dma_out, nbytes / (floor["write_gbps"] * 1e9)) if floor else dma_out
+            floor_in = max(dma_in, nbytes / (floor["read_gbps"] * 1e9)) if floor else dma_in
+            _row("B3", shape=name, blocks=blocks, bytes=nbytes, where=where,
+                 store_gbps=nbytes / t_out / 1e9, store_ratio=dma_out / t_out,
+                 store_vs_floor=floor_out / t_out, load_gbps=nbytes / t_in / 1e9,
+                 load_ratio=dma_in / t_in, load_vs_floor=floor_in / t_in)
             print(f"| {name} | {blocks} | {nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
-                  f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
-                  f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
+                  f"{dma_out / t_out:.2f} | {floor_out / t_out:.2f} | {_gbps(nbytes, t_in)} | "
+                  f"{dma_in / t_in:.2f} | {floor_in / t_in:.2f} |")
         worker.shutdown()
         del caches, worker
 
 
-def main() -> None:
+def file_floor(root: str, where: str) -> dict[str, float]:
+    """F: plain FLOOR_FILE writes then reads on FLOOR_THREADS threads, FLOOR_BYTES in
+    all, on the scratch volume (no kvtier): what the volume itself does in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = os.path.join(root, "floor")
+    os.makedirs(folder, exist_ok=True)
+    count = max(FLOOR_THREADS, FLOOR_BYTES // FLOOR_FILE)
+    payload = os.urandom(FLOOR_FILE)
+    paths = [os.path.join(folder, f"{i:06d}") for i in range(count)]
+
+    def write(path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, payload)
+        finally:
+            os.close(fd)
+
+    def read(path: str) -> None:
+        buf = bytearray(FLOOR_FILE)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+
+    with ThreadPoolExecutor(FLOOR_THREADS) as pool:
+        start = time.perf_counter()
+        list(pool.map(write, paths))
+        t_write = time.perf_counter() - start
+        start = time.perf_counter()
+        list(pool.map(read, paths))
+        t_read = time.perf_counter() - start
+    for path in paths:
+        os.unlink(path)
+    out = {"write_gbps": count * FLOOR_FILE / t_write / 1e9,
+           "read_gbps": count * FLOOR_FILE / t_read / 1e9}
+    _row("F", where=where, threads=FLOOR_THREADS, file_bytes=FLOOR_FILE,
+         bytes=count * FLOOR_FILE, **out)
+    print(f"\n### F the volume's parallel file floor on {where}\n\n{FLOOR_THREADS} threads, "
+          f"{count} files of {FLOOR_FILE // MiB} MiB: write {out['write_gbps']:.1f} GB/s, "
+          f"read {out['read_gbps']:.1f} GB/s (page cache warm for the reads)")
+    return out
+
+
+def run() -> list[dict[str, Any]]:
+    """Every section in order (printing its tables); the figures as rows ([] and one
+    line printed where there is no CUDA)."""
+    ROWS.clear()
     reason = _skip_reason()
     if reason:
         print(f"gpu: skipped, {reason}")
-        return
+        return []
     import torch
 
     from benchmarks.common import scratch_dir
 
+    types = _use_vllm_types()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}; {RUNS} runs after {WARMUP} warm-ups; staging "
-          f"{STAGING // MiB} MiB")
+          f"{STAGING // MiB} MiB; vLLM types from {types}")
     raw = raw_dma()
     vllm_dma(raw)
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-b2-") as root:
         device_phase(raw, root)
-    with scratch_dir("8G" if not QUICK else "1G", "kvtier-gpu-b3-") as (root, where):
-        end_to_end(raw, root, where)
+    size = f"{scratch_bytes() // MiB + 1}M"
+    with scratch_dir(size, "kvtier-gpu-b3-") as (root, where):
+        floor = file_floor(root, where)
+        end_to_end(raw, root, where, floor)
     host = torch.cuda.host_memory_stats()
     print(f"\npinned host memory: {host.get('allocated_bytes.peak', 0) / MiB:.0f} MiB at "
           f"peak (kvtier's staging: {STAGING // MiB} MiB per worker, the rest is B0/B1)")
+    return list(ROWS)
+
+
+def main() -> None:
+    run()

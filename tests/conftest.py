@@ -44,10 +44,14 @@ SLOW_DIRS = ("tests/operator/integration/", "tests/chart/", "tests/e2e/", "tests
              "tests/operator/engines/", "tests/offload/gpu/", "tests/s3/")
 SLOW_MODULES = (
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
+    "tests/offload/test_vllm_worker_contract.py",
+    "tests/offload/test_vllm032_shim.py",
+    "tests/offload/test_gpu_check.py",  # scripts/gpu_check.py, in subprocesses
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
     "tests/offload/test_vllm_recompute_bound.py",
     "tests/offload/test_vllm_local_tier.py",
+    "tests/offload/test_chained_tiers.py",  # engine processes, the operator's tiers
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
     "tests/offload/test_syscalls.py",  # strace in a child per test
     "tests/offload/test_cli.py",  # the init container's install, in subprocesses

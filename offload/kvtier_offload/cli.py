@@ -1,4 +1,5 @@
-"""`python -m kvtier_offload`: install the backend into a shared volume, or probe one."""
+"""`python -m kvtier_offload`: install the backend into a shared volume, or probe one;
+prepare the tier's directory on a fresh volume (prepare-dir)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,20 @@ def cmd_sweep_shm(args: argparse.Namespace) -> int:
         return 127
 
 
+def cmd_prepare_dir(args: argparse.Namespace) -> int:
+    """The tier's own directory, group-writable with setgid for the model servers' group
+    (tier_dir.py); exit 1 saying why not."""
+    from kvtier_offload.tier_dir import PrepareError, prepare
+
+    try:
+        path = prepare(args.mount, args.dir, args.group)
+    except PrepareError as err:
+        print(f"kvtier_offload prepare-dir: {err}", file=sys.stderr)
+        return 1
+    print(f"kvtier_offload prepare-dir: {path} is group {args.group}, mode 2775")
+    return 0
+
+
 def cmd_evict_objects(args: argparse.Namespace) -> int:
     """Hold a bucket prefix to a byte budget (object_evict.py); a JSON summary on stdout.
     Credentials and the region come from the environment (a Secret), like the tier's."""
@@ -151,7 +166,7 @@ def cmd_evict_objects(args: argparse.Namespace) -> int:
     from kvtier_offload.object_store import ObjectStoreConfig, make_client
 
     settings = ObjectStoreConfig(bucket=args.bucket, fingerprint="", prefix=args.prefix,
-                                 endpoint_url=args.endpoint_url,
+                                 endpoint_url=args.endpoint_url, region=args.region,
                                  addressing_style=args.addressing_style)
     settings.check()
     report = evict_to_budget(make_client(settings), args.bucket, args.prefix,
@@ -189,9 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--budget-bytes", type=int, required=True)
     ev.add_argument("--min-age-seconds", type=float, default=600.0)
     ev.add_argument("--endpoint-url", default=None)
+    ev.add_argument("--region", default=None, help="default: AWS_REGION from the environment")
     ev.add_argument("--addressing-style", default="auto", choices=("auto", "path", "virtual"))
     ev.add_argument("--dry-run", action="store_true")
+    pd = sub.add_parser("prepare-dir", help="create the tier's directory on the volume "
+                        "for the model servers' group: setgid, group-writable, not recursive")
+    pd.add_argument("--mount", required=True, help="where the volume is mounted")
+    pd.add_argument("--dir", default="", help="the tier's directory below the mount "
+                    "(default: the mount itself)")
+    pd.add_argument("--group", type=int, required=True, help="the model servers' fsGroup")
     args = parser.parse_args(argv)
+    if args.command == "prepare-dir":
+        return cmd_prepare_dir(args)
     if args.command == "evict-objects":
         return cmd_evict_objects(args)
     if args.command == "install":

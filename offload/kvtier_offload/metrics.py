@@ -2,7 +2,12 @@
 
 - Registered in the process's default prometheus registry (`Metrics()`), for a process
   that serves its own /metrics; with no prometheus-client every call is a no-op and the
-  backend works the same.
+  backend works the same. Without a CPU tier the stores live in vLLM's worker processes,
+  whose registries no /metrics serves: there the operator sets PROMETHEUS_MULTIPROC_DIR
+  (prometheus-client's multiprocess mode, which vLLM's API server reads when it is set),
+  each process writes its values into that directory and the API server sums them.
+  Counters and histograms sum by nature; each gauge says how (`multiprocess_mode`), and
+  a process that exits cleanly removes its live gauges (`mark_process_dead`).
 - Kept in a `Recorder` (`Metrics(recorder)`) for a host that exports them itself. vLLM
   runs its scheduler (where the tier lives) in another process than the API server that
   serves /metrics, so a tier's metrics reach /metrics only through vLLM's stats channel:
@@ -12,6 +17,8 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +38,14 @@ _METRICS: dict[str, Any] = {}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
+# Every kvtier_offload_* series names the tier it counts, as the operator's status names it
+# (status.tiers[].name): "storage" (the shared volume, and GPU-direct mode), "localDisk"
+# (a node-local directory), "objectStore". One pod may run all three under vLLM's tiering;
+# without the label their figures would add up together.
+TIER = "tier"
+SHARED_TIER = "storage"
+
+
 @dataclass(frozen=True)
 class Definition:
     kind: str  # Counter | Gauge | Histogram, as prometheus-client names them
@@ -38,32 +53,35 @@ class Definition:
     doc: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    # Gauges: how the API server combines the processes' values in multiprocess mode.
+    multiprocess_mode: str | None = None
 
 
 DEFINITIONS = {d.name: d for d in (
-    Definition("Counter", "kvtier_offload_bytes", "Bytes moved", ("direction",)),
+    Definition("Counter", "kvtier_offload_bytes", "Bytes moved", (TIER, "direction")),
     Definition("Counter", "kvtier_offload_operations", "Block operations by outcome",
-               ("direction", "outcome")),
+               (TIER, "direction", "outcome")),
     Definition("Histogram", "kvtier_offload_latency_seconds",
-               "Latency of one block operation", ("direction",), LATENCY_BUCKETS),
-    Definition("Counter", "kvtier_offload_lookups", "Lookups by result", ("result",)),
+               "Latency of one block operation", (TIER, "direction"), LATENCY_BUCKETS),
+    Definition("Counter", "kvtier_offload_lookups", "Lookups by result", (TIER, "result")),
     Definition("Counter", "kvtier_offload_corrupt_files", "Block files refused and removed",
-               ("reason",)),
+               (TIER, "reason")),
     Definition("Counter", "kvtier_offload_dropped_writes",
-               "Stores dropped, never written or reported stored", ("reason",)),
-    Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", ("error",)),
+               "Stores dropped, never written or reported stored", (TIER, "reason")),
+    Definition("Counter", "kvtier_offload_failed_writes", "Stores that failed", (TIER, "error")),
     Definition("Gauge", "kvtier_offload_native",
                "1 where the block store runs its C extension, 0 on the Python path; reason: "
                "ok, turned-off, not-built, wrong-build, batch-io-off, or no-digest (the store "
                "refused to start)",
-               ("reason",)),
+               (TIER, "reason"), multiprocess_mode="max"),
     Definition("Counter", "kvtier_offload_tier_skipped",
                "Requests that recomputed (the rest of) their prefix rather than wait for or "
                "load the tier, which would have cost more than recompute; reason: "
                "lookup-wait (the volume's answers come too late) or load-slower (loading "
-               "takes longer than recomputing)", ("reason",)),
+               "takes longer than recomputing)", (TIER, "reason")),
     Definition("Gauge", "kvtier_offload_queue_depth",
-               "Block operations submitted and not yet finished", ("direction",)),
+               "Block operations submitted and not yet finished", (TIER, "direction"),
+               multiprocess_mode="livesum"),
 )}
 
 
@@ -89,13 +107,43 @@ def _registered(definition: Definition) -> Any:
     if prom is None:
         return _Noop()
     with _LOCK:
+        _forget_at_exit()  # per process: a forked child reuses the parent's metrics
         metric = _METRICS.get(definition.name)
         if metric is None:
-            extra = {"buckets": definition.buckets} if definition.buckets else {}
+            extra: dict[str, Any] = {}
+            if definition.buckets:
+                extra["buckets"] = definition.buckets
+            if definition.multiprocess_mode:
+                extra["multiprocess_mode"] = definition.multiprocess_mode
             metric = getattr(prom, definition.kind)(definition.name, definition.doc,
                                                     definition.labels, **extra)
             _METRICS[definition.name] = metric
         return metric
+
+
+_FORGET_REGISTERED: set[int] = set()  # the pids that registered (a fork child is another)
+
+
+def _forget_at_exit() -> None:
+    """In multiprocess mode, remove this process's live gauges when it exits (a worker
+    that is gone has no queue); called with _LOCK held."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    pid = os.getpid()
+    if pid in _FORGET_REGISTERED or not directory:
+        return
+    _FORGET_REGISTERED.add(pid)
+
+    def forget() -> None:
+        if os.getpid() != pid:  # a forked child inherited the hook
+            return
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except OSError:
+            pass
+
+    atexit.register(forget)
 
 
 Key = tuple[str, tuple[str, ...]]  # (metric name, label values)
@@ -210,14 +258,28 @@ def _bounds_array(bounds: list[float]) -> np.ndarray:
     return known[1]
 
 
-class Metrics:
-    """The backend's metrics; direction is 'store' or 'load'. recorder: keep them there
-    for the host to export instead of registering them."""
+class _TierBound:
+    """A metric whose first label, the tier, is given: labels() takes the others."""
 
-    def __init__(self, recorder: Recorder | None = None) -> None:
+    def __init__(self, metric: Any, tier: str) -> None:
+        self._metric, self._tier = metric, tier
+
+    def labels(self, *values: object) -> Any:
+        return self._metric.labels(self._tier, *values)
+
+
+class Metrics:
+    """The backend's metrics for one tier (`tier`: its label value, see TIER); direction
+    is 'store' or 'load'. recorder: keep them there for the host to export instead of
+    registering them."""
+
+    def __init__(self, recorder: Recorder | None = None, tier: str = SHARED_TIER) -> None:
+        self.tier = tier
+
         def get(name: str) -> Any:
             definition = DEFINITIONS[name]
-            return recorder.metric(definition) if recorder else _registered(definition)
+            metric = recorder.metric(definition) if recorder else _registered(definition)
+            return _TierBound(metric, tier)
 
         self.bytes = get("kvtier_offload_bytes")
         self.operations = get("kvtier_offload_operations")

@@ -190,6 +190,7 @@ class ObjectStore:
         self._admission = WriteAdmission("", config.write_queue_seconds, 0.0)
         reads = max(1, config.max_concurrency * 3 // 4)
         self._pool = IOPool(reads, config.max_concurrency - reads, name="kvtier-s3")
+        self._admission.writers = self._pool.write_threads or self._pool.threads
         self._background = BackgroundLookup(self._head, config.lookup_threads,
                                             config.lookup_queue_limit,
                                             min(config.lookup_pending_seconds,

@@ -30,6 +30,7 @@ import logging
 import os
 import stat
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -168,6 +169,9 @@ class BlockStore:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
         self.metrics = metrics or Metrics()
+        # Keys a capacity bound evicted, for a host that announces removals (the vLLM
+        # tier's KV events); None: nobody listens. Appended from I/O threads.
+        self.evictions: deque[bytes] | None = None
         if not payload_digest.AVAILABLE:
             self.metrics.native.labels("no-digest").set(0)
             message = (f"kvtier block store cannot start: no XXH3-64 digest to verify blocks "
@@ -179,7 +183,7 @@ class BlockStore:
         self._files: BlockFiles
         if config.capacity_bytes:  # an evicted block must stop being a cached lookup hit
             self._files = BoundedFiles(self.layout, config.capacity_bytes,
-                                       forget=lambda key: self.forget(key))
+                                       forget=self._evicted)
         else:
             self._files = BlockFiles(self.layout, direct=False)
         try:
@@ -214,6 +218,8 @@ class BlockStore:
         self._logged: set[str] = set()
         self._closed = False
         self._pool = pool if pool is not None else _sized_pool(config, memory_speed)
+        # every thread writes where the pool has no write-first threads
+        self._admission.writers = self._pool.write_threads or self._pool.threads
         self._background = BackgroundLookup(
             self._stat_key, config.lookup_threads, config.lookup_queue_limit,
             min(config.lookup_pending_seconds, config.lookup_hit_ttl / 2))
@@ -335,6 +341,13 @@ class BlockStore:
     def forget(self, key: bytes) -> None:
         if key_fits(key):  # else never cached
             self._lookups.forget(key)
+
+    def _evicted(self, key: bytes) -> None:
+        """The capacity bound is removing this block: no cached hit may name it, and a
+        listener hears of it."""
+        self.forget(key)
+        if self.evictions is not None:
+            self.evictions.append(key)
 
     # ------------------------------------------------------------------- jobs
 

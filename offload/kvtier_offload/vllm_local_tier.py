@@ -16,12 +16,14 @@ is KvtierStorageTier's; locality defaults to LOCAL (on its KV events).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier_offload.vllm_tier import KvtierStorageTier
 
 
 class KvtierLocalTier(KvtierStorageTier):
+    metrics_tier: ClassVar[str] = "localDisk"
+
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  root_dir: str, capacity_bytes: int | str | None = None,
                  locality: str | None = "LOCAL", **settings: Any) -> None:

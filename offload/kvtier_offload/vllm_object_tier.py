@@ -32,6 +32,7 @@ log = logging.getLogger("kvtier_offload")
 
 class KvtierObjectTier(KvtierStorageTier):
     medium: ClassVar[Medium] = Medium.STORAGE
+    metrics_tier: ClassVar[str] = "objectStore"
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class KvtierObjectTier(KvtierStorageTier):
             write_queue_seconds=write_queue_seconds)
         if prefix is not None:
             settings.prefix = prefix
-        self.store = ObjectStore(settings, metrics=Metrics(self._recorder))  # type: ignore[assignment]
+        self.store = ObjectStore(settings, metrics=Metrics(self._recorder, self.metrics_tier))  # type: ignore[assignment]
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:

@@ -22,7 +22,10 @@ Failures cost a recompute, never an engine stop nor unverified bytes:
   The bad file is removed by the store.
 Every tensor/pipeline-parallel rank writes its own files (the fingerprint names the
 rank); a lookup is a hit only where every rank's file is there, and refreshes them all
-so the evictor's LRU keeps every rank's copy of what was just promised.
+so the evictor's LRU keeps every rank's copy of what was just promised. Where vLLM marks
+the layout replicated (pure-MLA, TP only: every rank's bytes are the same), rank 0
+alone stores (vLLM submits stores to rank 0 only and acknowledges for the others),
+every rank loads rank 0's files, and a lookup asks that one copy.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ from vllm.v1.kv_offload.base import (
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
+from kvtier_offload.page_copy import (
+    BatchCopy,
+    PageAddresses,
+    memmove_batch_copy,
+    vllm_batch_copy,
+)
 from kvtier_offload.recompute_bound import (
     LOAD_SLOWER,
     PrefillRate,
@@ -79,6 +88,14 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.keys)} keys)"
 
 
+def replicated(config: Any) -> bool:
+    """Whether every rank's KV bytes are the same (vLLM's replicated_layout: pure MLA
+    with tensor parallelism only), so one copy, rank 0's, serves every rank. Not with
+    vLLM's canonical layout, where vLLM has every rank write."""
+    return bool(getattr(config, "replicated_layout", False)) and not bool(
+        getattr(config, "canonical_layout", False))
+
+
 def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
     """What makes the files of one worker rank incompatible: the shared fields, the
     worker's page size and the rank (each rank writes its own pages). Computable for every
@@ -86,9 +103,11 @@ def rank_fingerprint(config: Any, rank: int) -> dict[str, Any]:
     tensor parallelism every rank holds the same layers at the same page size; with
     pipeline parallelism each stage holds other layers, which the scheduler does not
     know, so there the rank (with tp, pp and the model) names the stage, and each block
-    file's header still checks the payload length."""
+    file's header still checks the payload length. With a replicated layout every rank
+    names rank 0's files."""
     fields = {**vllm_fields(config), "mode": "worker",
-              "page_bytes": config.worker_kv_bytes_per_block, "rank": rank}
+              "page_bytes": config.worker_kv_bytes_per_block,
+              "rank": 0 if replicated(config) else rank}
     if config.parallel.pp_size > 1:
         fields["groups"] = [{"tokens_per_block": g["tokens_per_block"]}
                             for g in fields["groups"]]
@@ -337,11 +356,15 @@ class _Job:
     kind: str  # "store" or "load"
     blocks: int
     started: float = field(default_factory=time.monotonic)
-    in_flight: int = 0  # pieces holding staging (device copy or file I/O)
+    # pieces under way: a store's until its device copy has fired (its file write may
+    # still hold staging: stores are acknowledged at the fence); a load's until its
+    # copy to the GPU has fired or it was given up
+    in_flight: int = 0
     queued: int = 0  # pieces waiting for staging
-    moved: int = 0  # blocks copied all the way
+    moved: int = 0  # blocks copied (a store: to staging; a load: to the GPU)
     failed: list[int] = field(default_factory=list)  # load: GPU block ids not loaded
-    expired: bool = False  # load: past load_timeout, its unread blocks given up
+    expired: bool = False  # load: past load_timeout or flushed, its unread blocks given up
+    expedited: bool = False  # load: vLLM waits for it within the engine step
 
 
 @dataclass
@@ -381,7 +404,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def __init__(self, store: BlockStore, kv_caches: CanonicalKVCaches,
                  blocks_per_chunk: int, max_staging_bytes: int = 1 << 30,
                  max_device_temp_bytes: int = 64 << 20,
-                 shutdown_timeout: float = 10.0, load_timeout: float = 30.0) -> None:
+                 shutdown_timeout: float = 10.0, load_timeout: float = 30.0,
+                 store_device_bytes: int = 128 << 20, page_copy: str = "auto") -> None:
         if blocks_per_chunk != 1:
             raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
                              "block_size unset in kv_connector_extra_config")
@@ -397,6 +421,22 @@ class KvtierOffloadingWorker(OffloadingWorker):
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.rows.view(wide)
         self._widths = [v.shape[1] for v in self._views]
+        # page_copy: "auto" copies pages by address with vLLM's swap_blocks_batch where
+        # the cache is on a GPU and vLLM has it (one call per piece, copy engines only),
+        # else with gather/scatter kernels ("kernels"); "addresses" insists on copying by
+        # address (by memmove on CPU).
+        self._batch_copy: BatchCopy | None = None
+        if page_copy not in ("auto", "kernels", "addresses"):
+            raise ValueError(f"page_copy is auto, kernels or addresses, not {page_copy!r}")
+        if page_copy != "kernels":
+            self._batch_copy = vllm_batch_copy() if self.cuda else (
+                memmove_batch_copy if page_copy == "addresses" else None)
+            if page_copy == "addresses" and self._batch_copy is None:
+                raise ValueError("page_copy=addresses needs vLLM's swap_blocks_batch (a "
+                                 "CUDA build of vLLM) for a KV cache on a GPU")
+        self._addresses = (PageAddresses(self._views, self.arena.rows)
+                           if self._batch_copy is not None else None)
+        self.page_copy = "addresses" if self._batch_copy is not None else "kernels"
         # Rows per piece: bounds the device scratch of one copy (a gather holds its
         # index_select parts and their concatenation at once: twice the piece), and
         # leaves room for a job's next piece to be copied while this one is written or
@@ -410,8 +450,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # for them until it calls wait(), which drops them; past this many rows a store
         # is dropped at once (the volume is not keeping up).
         self.store_queue_cap = 16 * rows
-        self._store_rows_held = 0
+        # Store copies queued on the device at once: a load's copy never queues behind
+        # more than this much of a store's (G7); the rest waits on the host, where a
+        # load overtakes it. At least one piece.
+        self.store_device_rows = max(self.piece_rows, store_device_bytes // self.page_total)
+        self._store_rows_held = 0  # staging rows stores hold (device copy or file write)
+        self._store_rows_on_device = 0  # of those, rows whose device copy has not fired
         self._store_rows_queued = 0
+        self.writes_in_flight = 0  # store pieces acknowledged, their file writes not back
         self._store_stream: torch.cuda.Stream | None
         self._load_stream: torch.cuda.Stream | None
         if self.cuda:
@@ -421,10 +467,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._store_stream = self._load_stream = None
         self._io_ids = itertools.count()
         self._store_waiting: deque[_Piece] = deque()  # no staging yet
-        self._copying_out: list[_Piece] = []  # store: device -> staging
+        # Both in the order their copies were queued on their one stream, so the first
+        # fence that has not fired ends each scan.
+        self._copying_out: deque[_Piece] = deque()  # store: device -> staging
         self._io: dict[int, _Piece] = {}  # BlockStore job id -> piece
         self._load_waiting: deque[_Piece] = deque()  # no staging yet
-        self._copying_in: list[_Piece] = []  # load: staging -> device
+        self._copying_in: deque[_Piece] = deque()  # load: staging -> device
         self._loads: dict[int, _Job] = {}  # unfinished load jobs
         self._done: list[TransferResult] = []
         self._load_errors: dict[int, list[int]] = {}
@@ -456,6 +504,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         run = piece.run
         assert run is not None
         self.arena.index_array[run.start:run.stop] = piece.block_ids
+        if self._batch_copy is not None and self._addresses is not None:
+            cache, staging, sizes = self._addresses.of(piece.block_ids, run.start)
+            with self._on(self._store_stream):
+                # stream order: the source is what the compute stream wrote before
+                self._batch_copy(cache, staging, sizes, False)
+                return self._fence(self._store_stream)
         with self._on(self._store_stream):
             index = self._index(run)
             parts = [view.index_select(0, index) for view in self._views]
@@ -468,6 +522,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         slots hold their ids); returns the fence."""
         run = piece.run
         assert run is not None
+        if self._batch_copy is not None and self._addresses is not None:
+            ids = self.arena.index_array[run.start:run.start + rows]
+            cache, staging, sizes = self._addresses.of(ids, run.start)
+            with self._on(self._load_stream):
+                # the staging rows were filled by the I/O threads before: any order
+                self._batch_copy(staging, cache, sizes, True)
+                return self._fence(self._load_stream)
         with self._on(self._load_stream):
             index = self._index(Run(run.start, rows))
             packed = self._staging[run.start:run.start + rows].to(self.device,
@@ -514,7 +575,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                      dst_spec: LoadStoreSpec) -> bool:
         keys, block_ids = self._pairs(dst_spec, src_spec)
         job = _Job(job_id, "store", len(keys))
-        self._progress()  # return what finished first: staging it frees is used now
+        # No poll here: get_finished() moves the pipeline once per engine step.
         for piece in self._pieces(job, keys, block_ids):
             if self._store_rows_queued + len(piece.keys) > self.store_queue_cap:
                 self._drop(piece)
@@ -535,7 +596,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         load (its unverified blocks are reported by take_load_errors()), and, like any,
         it is given up after load_timeout."""
         keys, block_ids = self._pairs(src_spec, dst_spec)
-        job = _Job(job_id, "load", len(keys))
+        job = _Job(job_id, "load", len(keys), expedited=expedited)
         self._loads[job_id] = job
         pieces = self._pieces(job, keys, block_ids, expedited)
         job.queued += len(pieces)
@@ -549,7 +610,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self._load_waiting.insert(at + n, piece)
         else:
             self._load_waiting.extend(pieces)
-        self._progress()
+        self._start_loads()
         self._maybe_finish(job)
         return True
 
@@ -558,10 +619,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.stores_dropped += len(piece.keys)
         self._dropped.inc(len(piece.keys))
 
-    def _start_stores(self) -> None:
+    def _start_stores(self, device_bound: bool = True) -> None:
+        """Start queued store pieces while staging (and, with device_bound, the device
+        queue's bound) has room."""
         while self._store_waiting:
             piece = self._store_waiting[0]
-            room = min(len(piece.keys), self.store_rows_cap - self._store_rows_held)
+            device_room = (self.store_device_rows - self._store_rows_on_device
+                           if device_bound else len(piece.keys))
+            room = min(len(piece.keys), self.store_rows_cap - self._store_rows_held,
+                       device_room)
             run = self.arena.take(room)
             if run is None:
                 return
@@ -577,6 +643,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             piece.job.in_flight += 1
             piece.run = run
             self._store_rows_held += run.rows
+            self._store_rows_on_device += run.rows
             piece.fence = self._gather(piece)
             self._copying_out.append(piece)
 
@@ -622,19 +689,43 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._release(piece)
 
     def _release(self, piece: _Piece) -> None:
+        """A load piece's copy to the GPU has read its staging: the piece is done."""
         assert piece.run is not None
         self.arena.give(piece.run)
-        if piece.job.kind == "store":
-            self._store_rows_held -= piece.run.rows
         piece.run = None
         piece.job.in_flight -= 1
         self._maybe_finish(piece.job)
+
+    def _copied_out(self, piece: _Piece) -> None:
+        """A store piece's device copy has fired: its pages are in staging, so vLLM may
+        reuse its GPU blocks, and the job may be acknowledged now (B1: a slow or hung
+        volume never holds a store job, nor the request it belongs to, in vLLM's
+        scheduler). Its staging stays borrowed until the file write returns."""
+        assert piece.run is not None
+        self._store_rows_on_device -= piece.run.rows
+        io_id = next(self._io_ids)
+        self._io[io_id] = piece
+        self.store.store_rows(io_id, piece.keys, self.arena.row_array,
+                              self.arena.row_ids(piece.run))
+        self.writes_in_flight += 1
+        piece.job.moved += len(piece.keys)
+        piece.job.in_flight -= 1
+        self._maybe_finish(piece.job)
+
+    def _written(self, piece: _Piece) -> None:
+        """A store piece's file write returned (written, refused or failed): its staging
+        is free again. Its job was acknowledged at the device fence."""
+        assert piece.run is not None
+        self.arena.give(piece.run)
+        self._store_rows_held -= piece.run.rows
+        self.writes_in_flight -= 1
+        piece.run = None
 
     def _maybe_finish(self, job: _Job) -> None:
         if job.in_flight or job.queued:
             return
         size = job.moved * self.page_total
-        if job.kind == "store":  # always a success: a store that failed is never visible
+        if job.kind == "store":  # always a success: a store that fails is never visible
             self._report(job.job_id, True, size, job.started)
             return
         if self._loads.pop(job.job_id, None) is None:
@@ -645,20 +736,28 @@ class KvtierOffloadingWorker(OffloadingWorker):
                         "recomputes them", len(job.failed), job.blocks, job.job_id)
         self._report(job.job_id, not job.failed, size, job.started)
 
+    @classmethod
+    def _fired_prefix(cls, copying: deque[_Piece], block_on: Collection[int]) -> list[_Piece]:
+        """Take the pieces at the head of one stream's queue whose copies have fired.
+        The stream runs them in order, so the scan stops at the first fence that has not
+        fired; with block_on, the last piece of those jobs is waited for first (which
+        fires every fence before it)."""
+        if block_on:
+            last = next((p for p in reversed(copying) if p.job.job_id in block_on), None)
+            if last is not None:
+                cls._fired(last, True)
+        done = []
+        while copying and cls._fired(copying[0], False):
+            done.append(copying.popleft())
+        return done
+
     def _progress(self, block_on: Collection[int] = ()) -> None:
         """Move every piece as far as it can go without waiting, except the device
-        copies of jobs in block_on, which are waited for."""
-        still = []
-        for piece in self._copying_out:
-            if self._fired(piece, piece.job.job_id in block_on):
-                io_id = next(self._io_ids)
-                self._io[io_id] = piece
-                assert piece.run is not None
-                self.store.store_rows(io_id, piece.keys, self.arena.row_array,
-                                      self.arena.row_ids(piece.run))
-            else:
-                still.append(piece)
-        self._copying_out = still
+        copies of jobs in block_on, which are waited for. Called once per engine step
+        (get_finished) and from wait(), never from submit_*: its cost is one fence query
+        per stream plus one per copy that finished."""
+        for piece in self._fired_prefix(self._copying_out, block_on):
+            self._copied_out(piece)
         self._expire_loads()
         for outcome in self.store.finished():
             piece = self._io.pop(outcome.job_id)
@@ -668,17 +767,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 piece.run = None
                 continue
             if outcome.kind == "store":
-                piece.job.moved += sum(outcome.ok)
-                self._release(piece)
+                self._written(piece)
             else:
                 self._staged(piece, outcome.ok)
-        still = []
-        for piece in self._copying_in:
-            if self._fired(piece, piece.job.job_id in block_on):
-                self._release(piece)  # the device copy has read the run
-            else:
-                still.append(piece)
-        self._copying_in = still
+        for piece in self._fired_prefix(self._copying_in, block_on):
+            self._release(piece)  # the device copy has read the run
         self._start_loads()  # loads first: a cache hit must not wait behind stores
         self._start_stores()
 
@@ -694,8 +787,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         now = time.monotonic()
         late = {job.job_id for job in self._loads.values()
                 if not job.expired and now - job.started > self.load_timeout}
-        if not late:
-            return
+        if late:
+            self._give_up(late, f"not done after {self.load_timeout:.1f}s (a slow or hung "
+                                "volume?)")
+
+    def _give_up(self, late: set[int], why: str) -> None:
+        """Fail these load jobs' pieces still waiting for staging or for the volume (see
+        _expire_loads); pieces already copying to the GPU finish as usual."""
         kept: deque[_Piece] = deque()
         for piece in self._load_waiting:
             if piece.job.job_id in late:
@@ -712,9 +810,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         for job_id in late:
             job = self._loads[job_id]
             job.expired = True
-            log.warning("kvtier: load job %d not done after %.1fs (a slow or hung volume?); "
-                        "reporting its unread blocks failed, vLLM recomputes them",
-                        job_id, self.load_timeout)
+            log.warning("kvtier: load job %d %s; reporting its unread blocks failed, vLLM "
+                        "recomputes them", job_id, why)
             self._maybe_finish(job)
 
     def _report(self, job_id: int, success: bool, size: int, started: float) -> None:
@@ -734,8 +831,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Stores: until their GPU source pages are copied (vLLM reuses the blocks next);
-        their pieces still waiting for staging are dropped. Loads: until their pages are
-        in the KV cache or reported failed, which takes at most load_timeout."""
+        their pieces still waiting for staging are dropped, and the jobs are reported by
+        the next get_finished(). Loads: vLLM flushes them at reset_prefix_cache() and
+        when it preempts their request, and reuses their blocks next: the pieces already
+        copying to the GPU are waited for, the rest (waiting for staging or for the
+        volume) are given up at once and reported failed, so a hung volume never stalls
+        the engine here. Expedited (sync) loads, which the step needs, are waited for
+        until their pages are in the KV cache or reported failed (at most
+        load_timeout)."""
+        if any(piece.job.job_id in job_ids for piece in self._store_waiting):
+            # wait() blocks on these copies anyway: the device bound (there for loads
+            # queued behind) must not make vLLM's flush drop stores staging can hold
+            self._start_stores(device_bound=False)
         kept: deque[_Piece] = deque()
         for piece in self._store_waiting:
             if piece.job.job_id in job_ids:
@@ -747,9 +854,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 kept.append(piece)
         self._store_waiting = kept
         self._progress(block_on=job_ids)
+        flushed = {job_id for job_id in job_ids & self._loads.keys()
+                   if not self._loads[job_id].expedited}
+        if flushed:
+            self._give_up(flushed, "was flushed by vLLM (reset_prefix_cache or a "
+                                   "preemption) before its reads returned")
+            self._progress(block_on=job_ids)  # the copies to the GPU already queued
         while job_ids & self._loads.keys():
-            # reads in flight: vLLM waits on loads at reset_cache and, from 0.33, on the
-            # expedited (sync) loads of the step
+            # reads in flight of expedited (sync) loads, which this very step needs
             time.sleep(0.001)
             self._progress(block_on=job_ids)
 
@@ -782,6 +894,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "(a hybrid model: vLLM cannot recompute a failed sync load by block id "
                 "there). Remove sync_load_budget_bytes from kv_connector_extra_config.")
         self._manager: KvtierOffloadingManager | None = None
+        # vLLM's connector then submits stores on rank 0 only (the others acknowledge)
+        self.replicated_layout = replicated(config)
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -791,7 +905,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             stores = []
-            for rank in range(max(1, self.config.parallel.world_size)):
+            copies = 1 if self.replicated_layout else max(1, self.config.parallel.world_size)
+            for rank in range(copies):
                 fields = rank_fingerprint(self.config, rank)
                 store = _store(self, fields, lookups_only=True)
                 store.layout.write_config(fields)
@@ -815,4 +930,6 @@ class KvtierOffloadingSpec(OffloadingSpec):
             _store(self, spec_fingerprint(self)), kv_caches, self.blocks_per_chunk,
             max_staging_bytes=int(self.extra_config.get("max_staging_bytes", 1 << 30)),
             shutdown_timeout=float(self.extra_config.get("shutdown_timeout", 10.0)),
+            page_copy=str(self.extra_config.get("page_copy", "auto")),
+            store_device_bytes=int(self.extra_config.get("store_device_bytes", 128 << 20)),
             load_timeout=float(self.extra_config.get("load_timeout_seconds", 30.0)))

@@ -2,9 +2,13 @@
 volume refused a write, and a free-space floor.
 
 - The queue: a store job is refused at submit where the bytes queued before it, at the
-  measured write rate (an EMA), would take longer than queue_seconds; a block that waited
-  longer than that by the time a thread takes it is dropped (stale). Dropped blocks are
-  never reported stored.
+  measured aggregate drain rate, would take longer than queue_seconds; a block that
+  waited longer than that by the time a thread takes it is dropped (stale). Dropped
+  blocks are never reported stored. The queue drains at the rate of all `writers`
+  threads together: each writer's measured rate (the bytes of the recent batches over
+  the seconds they took) times the writers. A volume that does not scale with threads
+  shows it in that per-writer rate, which falls as more of them write at once; one
+  thread's own rate against the whole queue refused stores N_threads times too early.
 - Backoff: a write failing with ENOSPC, EDQUOT, EIO, EACCES, EROFS or EPERM stops every
   writer for 1 s, doubling per failure up to 60 s; any write that succeeds resets it.
 - The floor: no write that would leave less than floor_percent of the volume free.
@@ -21,19 +25,25 @@ import errno
 import os
 import threading
 import time
+from collections import deque
 
 BACKOFF_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.EROFS,
                             errno.EPERM})
 MAX_BACKOFF_SECONDS = 60.0
+RATE_WINDOW_SECONDS = 10.0  # batches older than this no longer count toward the rate
+RATE_BATCHES = 512  # at most this many recent batches are kept for it
 
 
 class WriteAdmission:
-    def __init__(self, directory: str, queue_seconds: float, floor_percent: float) -> None:
+    def __init__(self, directory: str, queue_seconds: float, floor_percent: float,
+                 writers: int = 1) -> None:
         self._directory = directory  # statvfs'ed for the floor
         self.queue_seconds = queue_seconds
+        self.writers = max(1, writers)  # threads that drain the queue together
         self.floor_percent = floor_percent
         self._lock = threading.Lock()
-        self.rate = 0.0  # EMA of write throughput, bytes/s (0: not measured yet)
+        self.rate = 0.0  # aggregate drain rate, bytes/s (0: not measured yet)
+        self._batches: deque[tuple[float, float, int]] = deque(maxlen=RATE_BATCHES)
         self.queued_bytes = 0  # admitted, not yet settled
         self.unwritten_bytes = 0  # reserved against the floor, not yet settled
         self.blocked_until = 0.0  # monotonic; writers back off until then
@@ -93,14 +103,20 @@ class WriteAdmission:
             self.queued_bytes -= queued
             self.unwritten_bytes -= reserved
 
-    def written(self, nbytes: int, seconds: float, blocks: int) -> None:
-        """blocks of nbytes in all were written in seconds: the rate moves toward that
-        as if each block had moved it 20% of the way; any backoff ends."""
+    def written(self, nbytes: int, seconds: float, blocks: int,
+                now: float | None = None) -> None:
+        """A batch of blocks, nbytes in all, was written by one thread in the seconds
+        before now: the drain rate is recomputed over every writer's recent batches;
+        any backoff ends."""
         self._backoff = 0.0
-        rate = nbytes / max(seconds, 1e-6)
-        keep = 0.8 ** blocks
+        end = time.monotonic() if now is None else now
         with self._lock:
-            self.rate = rate if self.rate == 0 else keep * self.rate + (1 - keep) * rate
+            self._batches.append((end - max(seconds, 1e-6), end, nbytes))
+            while self._batches and self._batches[0][1] < end - RATE_WINDOW_SECONDS:
+                self._batches.popleft()
+            total = sum(n for _, _, n in self._batches)
+            took = sum(b - a for a, b, _ in self._batches)
+            self.rate = total / max(took, 1e-6) * self.writers
 
     def failed(self, err: OSError) -> None:
         """A write failed: where the volume refused it (full, quota, read-only, I/O

@@ -61,7 +61,8 @@ async def live_cluster(out: Path) -> AsyncIterator[LiveCluster]:
     ctx = RenderContext()
     # Observation every half second: the demo's pods' metrics reach status.tiers quickly.
     config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2,
-                            observe=ObserveSettings(interval=0.5, timeout=2, window=600))
+                            observe=ObserveSettings(interval=0.5, timeout=2, window=600),
+                            reference_namespaces=sandbox.DEMO_REFERENCE_NAMESPACES)
     out.mkdir(parents=True, exist_ok=True)
     certs = out / "webhook-certs"
     ca = make_certs(certs)

@@ -75,11 +75,16 @@ def gateway_for(kmock: Any) -> Gateway:
     return SandboxGateway(api, retries=2, backoff=0.01)
 
 
+DEMO_REFERENCE_NAMESPACES = frozenset({"mooncake"})
+
+
 @contextlib.asynccontextmanager
 async def operator(kmock: Any, render: RenderContext, drift_interval: float = 3600.0,
                    retry_delay: float = 0.2,
-                   config: OperatorConfig | None = None) -> AsyncIterator[OperatorConfig]:
-    """Run the real operator (kopf, standalone, cluster-wide) for the duration, on its
+                   config: OperatorConfig | None = None,
+                   namespaces: list[str] | None = None) -> AsyncIterator[OperatorConfig]:
+    """Run the real operator (kopf, standalone; cluster-wide, or only `namespaces` as the
+    chart's watchNamespaces runs it) for the duration, on its
     own thread and event loop, as it runs in its own process in a cluster. Sharing the
     API server's loop would make kopf's shutdown wait out its watch streams (seconds)."""
     registry = kopf.OperatorRegistry()
@@ -89,8 +94,12 @@ async def operator(kmock: Any, render: RenderContext, drift_interval: float = 36
         return kopf.ConnectionInfo(server=str(kmock.url))
 
     gw = gateway_for(kmock)
+    # The examples' Mooncake master lives in namespace mooncake, which an install lists
+    # in the chart's referenceNamespaces.
     config = config or OperatorConfig(render=render, drift_interval=drift_interval,
-                                      retry_delay=retry_delay)
+                                      retry_delay=retry_delay,
+                                      reference_namespaces=DEMO_REFERENCE_NAMESPACES,
+                                      namespaced=bool(namespaces))
     register(registry, config, lambda: gw)
 
     @kopf.on.startup(registry=registry)
@@ -106,7 +115,8 @@ async def operator(kmock: Any, render: RenderContext, drift_interval: float = 36
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+            asyncio.run(kopf.operator(registry=registry, clusterwide=not namespaces,
+                                      namespaces=namespaces or [], standalone=True,
                                       stop_flag=stop))
         except BaseException as err:  # reported to the caller when it leaves
             failure.append(err)

@@ -24,6 +24,20 @@ from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.validation import parse_tpc
 from kvtier_operator.yamlio import dump
 
+STAND_IN_RESOURCES = {"ConfigMap": "v1/configmaps", "Service": "v1/services",
+                      "DaemonSet": "apps/v1/daemonsets"}
+
+
+def example_object(folder: Path, kind: str, name: str) -> dict[str, Any] | None:
+    """The object of that kind and name among the examples (e.g. the Mooncake client
+    config an example CR names), or None."""
+    for path in sorted(folder.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == kind and \
+                    (doc.get("metadata") or {}).get("name") == name:
+                return doc
+    return None
+
 
 def workload_pods(workload: dict[str, Any], namespace: str) -> list[dict[str, Any]]:
     """The pods the workload's controller would create (a LeaderWorkerSet: a leader and
@@ -70,13 +84,13 @@ async def show(example: Path, out: Path) -> int:
             # Stand-ins for what the user deploys (e.g. the mooncake master).
             print(f"(prerequisite {need.kind} {need.namespace}/{need.name}, named by "
                   f"{need.field}, created here as the user would)")
-            stand_in: dict[str, Any] = {
+            stand_in = example_object(example.parent, need.kind, need.name) or {
                 "apiVersion": "v1", "kind": need.kind,
                 "metadata": {"name": need.name, "namespace": need.namespace}}
-            if need.key:
+            if need.key and need.key not in (stand_in.get("data") or {}):
                 stand_in["data"] = {need.key: "{}"}
-            resource = "v1/configmaps" if need.kind == "ConfigMap" else "v1/services"
-            kmock.objects[resource, need.namespace, need.name] = stand_in
+            stand_in["metadata"]["namespace"] = need.namespace
+            kmock.objects[STAND_IN_RESOURCES[need.kind], need.namespace, need.name] = stand_in
         doc["metadata"].update(uid="demo-uid-1", generation=1)
         kmock.objects[sandbox.TPC, ns, name] = doc
 
@@ -88,15 +102,15 @@ async def show(example: Path, out: Path) -> int:
         say("2. the operator created")
         for resource in ("v1/persistentvolumeclaims", "batch/v1/cronjobs",
                          "v1/configmaps"):
-            for suffix in ("kv-cache", "evictor", "router"):
+            for suffix in ("kv-cache", "evictor", "objects", "router"):
                 obj = sandbox.stored(kmock, resource, ns, f"{name}-{suffix}")
                 if obj is not None:
                     print(dump({obj["kind"]: {"name": obj["metadata"]["name"],
                                               **({"data": obj["data"]} if "data" in obj
                                                  else {"spec": obj["spec"]})}}))
         if adapter.evictor_layout(tpc.spec) is None:
-            print("(no evictor CronJob: no shared tier kvtier manages, or the engine "
-                  "evicts on its own)")
+            print("(no shared-volume evictor CronJob: no shared tier kvtier manages, or "
+                  "the engine evicts on its own)")
         await until(lambda: config.caches.in_namespace(ns), "the webhook's cache view")
         client_tls = ssl.create_default_context(cafile=str(ca))
         for i, pod in enumerate(workload_pods(workload, ns)):

@@ -24,6 +24,7 @@ from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.context import RenderContext
 from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import InvalidResource, deprecations, immutable, parse_tpc
+from kvtier_operator.validation.host_paths import host_path_refusal
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-tieredprefixcaches"
@@ -280,7 +281,8 @@ def selectors_may_overlap(a: LabelSelector, b: LabelSelector) -> bool:
     return rules_may_overlap(selector_rules(a), selector_rules(b))
 
 
-def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, Any]:
+def validate_request(request: dict[str, Any], caches: CacheLookup,
+                     allowed_host_paths: tuple[str, ...] = ()) -> dict[str, Any]:
     uid = request["uid"]
     if request.get("operation") not in ("CREATE", "UPDATE"):
         return _response(uid)
@@ -296,6 +298,10 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
     except InvalidResource as err:
         return _response(uid, allowed=False, code=422,
                          message=f"{KIND} {err.name} is invalid: " + "; ".join(err.messages))
+    host_path = host_path_refusal(tpc.spec, allowed_host_paths)
+    if host_path:
+        return _response(uid, allowed=False, code=422,
+                         message=f"{KIND} {tpc.name} is invalid: {host_path}")
     if request.get("operation") == "UPDATE":
         old = request.get("oldObject")
         changed = immutable.changed_fields(old.get("spec") if isinstance(old, dict) else None,
@@ -315,9 +321,10 @@ def validate_request(request: dict[str, Any], caches: CacheLookup) -> dict[str, 
     return _response(uid, warnings=[f"kvtier: {w}" for w in deprecations(tpc)])
 
 
-def validate_tpc(review: Any, caches: CacheLookup) -> dict[str, Any]:
+def validate_tpc(review: Any, caches: CacheLookup,
+                 allowed_host_paths: tuple[str, ...] = ()) -> dict[str, Any]:
     """validate_request on a parsed review (BadReview if malformed)."""
-    return validate_request(_request(review), caches)
+    return validate_request(_request(review), caches, allowed_host_paths)
 
 
 # ------------------------------------------------------------------ one request, end to end
@@ -335,7 +342,8 @@ def admit(path: str, body: bytes, caches: CacheLookup, ctx: RenderContext) -> Ou
         if path == MUTATE_PATH:
             answer, conflicts = admit_pod(request, caches, ctx)
             return Outcome(200, encode(answer), tuple(conflicts))
-        return Outcome(200, encode(validate_request(request, caches)))
+        return Outcome(200, encode(validate_request(request, caches,
+                                                    ctx.allowed_host_paths)))
     except Exception as err:
         failure, problem = f"{type(err).__name__}: {err}", traceback.format_exc()
     if path == MUTATE_PATH:  # failurePolicy Ignore: never block a pod on our bug

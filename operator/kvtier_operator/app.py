@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -17,6 +18,7 @@ from kvtier_operator.context import (
 from kvtier_operator.gateway import Gateway
 from kvtier_operator.handlers import OperatorConfig, register
 from kvtier_operator.observe.observer import ObserveSettings
+from kvtier_operator.validation.host_paths import parse_allowed
 from kvtier_operator.webhook import register_server
 
 
@@ -29,9 +31,12 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
             or DEFAULT_OFFLOAD_IMAGE,
             evictor_image=env.get("KVTIER_OPERATOR_IMAGE", DEFAULT_OPERATOR_IMAGE),
             image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
+            allowed_host_paths=parse_allowed(env.get("KVTIER_ALLOWED_HOST_PATHS")),
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
         observe=observe_settings(env),
+        reference_namespaces=frozenset(
+            n.strip() for n in env.get("KVTIER_REFERENCE_NAMESPACES", "").split(",") if n.strip()),
     )
 
 
@@ -72,7 +77,7 @@ def run(metrics_port: int, liveness: str, namespaces: list[str], json_logs: bool
             shared["gw"] = Gateway(api_client())
         return shared["gw"]
 
-    operator_config = config_from_env()
+    operator_config = dataclasses.replace(config_from_env(), namespaced=bool(namespaces))
     register(registry, operator_config, gateway)
     if webhook_port:
         register_server(registry, operator_config.caches, operator_config.conflicts,

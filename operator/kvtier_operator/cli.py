@@ -18,6 +18,7 @@ from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
 from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
+from kvtier_operator.validation.host_paths import host_path_refusal
 from kvtier_operator.yamlio import dump_all
 
 EXIT_INVALID = 2
@@ -46,7 +47,8 @@ def _objects(path: str) -> list[dict[str, Any]] | None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    ctx = RenderContext(offload_image=args.offload_image, evictor_image=args.evictor_image)
+    ctx = RenderContext(offload_image=args.offload_image, evictor_image=args.evictor_image,
+                        allowed_host_paths=tuple(args.allow_host_path or ()))
     docs = _objects(args.file)
     if docs is None:
         return EXIT_INVALID
@@ -60,6 +62,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"error: TieredPrefixCache {err.name} is invalid:", file=sys.stderr)
         for message in err.messages:
             print(f"  {message}", file=sys.stderr)
+        return EXIT_INVALID
+    refused = [(t.name, why) for t in tpcs
+               if (why := host_path_refusal(t.spec, ctx.allowed_host_paths))]
+    for name, why in refused:
+        print(f"error: TieredPrefixCache {name} is invalid:\n  {why} (kvtier render: "
+              "--allow-host-path)", file=sys.stderr)
+    if refused:
         return EXIT_INVALID
     out: list[dict[str, Any]] = []
     for tpc in tpcs:
@@ -127,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the offload backend's image for the init container "
                         "(--sidecar-image: its name before 0.2, deprecated)")
     render.add_argument("--evictor-image", default=DEFAULT_OPERATOR_IMAGE)
+    render.add_argument("--allow-host-path", action="append", metavar="DIR",
+                        help="a node directory local disks may use (the Helm value "
+                        "localDisk.allowedHostPaths; repeatable; none by default)")
     render.set_defaults(func=cmd_render)
 
     crd_cmd = sub.add_parser("crd", help="print (or write) the generated CRD")

@@ -20,3 +20,6 @@ class RenderContext:
     # engines report (vLLM 0.33's kv_offload_config_info), per replica, in the router's
     # blocks (the adapter's router_block_size); None: not exported, use the computed one.
     observed_cpu_blocks: int | None = None
+    # Node directories a cache's local disk may be under (spec.localDisk.volume.hostPath),
+    # the admin's choice (Helm value localDisk.allowedHostPaths); empty: none.
+    allowed_host_paths: tuple[str, ...] = ()

@@ -87,8 +87,10 @@ class Gateway:
             "StatefulSet": (self.apps.read_namespaced_stateful_set, None,
                             self.apps.patch_namespaced_stateful_set, None),
             "ReplicaSet": (self.apps.read_namespaced_replica_set, None, None, None),
-            # Engines' prerequisites (e.g. the mooncake master) are only checked to exist.
+            # Engines' prerequisites (the mooncake master, its client DaemonSet) are only
+            # checked to exist.
             "Service": (self.core.read_namespaced_service, None, None, None),
+            "DaemonSet": (self.apps.read_namespaced_daemon_set, None, None, None),
         }
         # Listed only to find what the operator owns under an old name.
         self._lists: dict[str, Callable[..., Any]] = {

@@ -10,6 +10,7 @@ the operator's own periodic loop, not a kopf timer, which would add a finalizer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ from kvtier_operator import GROUP, PLURAL, VERSION, metrics, names
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.context import RenderContext
-from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.engines.registry import adapter_for, engines_in
 from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
@@ -41,6 +42,12 @@ class OperatorConfig:
     caches: CacheRegistry = field(default_factory=CacheRegistry)  # shared with the webhook
     conflicts: ConflictLog = field(default_factory=ConflictLog)
     observe: ObserveSettings = field(default_factory=ObserveSettings)
+    # Namespaces besides a cache's own that its references (spec.mooncake.masterService)
+    # may point into: the chart's referenceNamespaces.
+    reference_namespaces: frozenset[str] = frozenset()
+    # Watching named namespaces only (the chart's watchNamespaces): kopf then neither lists
+    # namespaces nor watches CRDs, so the install needs no cluster-scoped rights at all.
+    namespaced: bool = False
     observer: Observer | None = None  # built from `observe` at first use
     # Advice Events: at most one per cache and reason in this many seconds.
     advice_event_gap: float = 600.0
@@ -83,7 +90,8 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
     start = time.perf_counter()
     try:
         outcome = reconcile(body, gw, config.render, pods, list(runs), now_iso(), conflicts,
-                            observed=observed, observing=config.observe.enabled)
+                            observed=observed, observing=config.observe.enabled,
+                            reference_namespaces=config.reference_namespaces)
     except RetryableError:
         metrics.RECONCILES.labels("retry").inc()
         metrics.ERRORS.labels("retryable").inc()
@@ -161,6 +169,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.index("pods", id="kvtier_pods", registry=registry)
     def kvtier_pods(body: kopf.Body, **_: Any) -> dict[str, PodView]:
         view = pod_view(dict(body))  # pods are namespaced: kopf's namespace is this one
+        view = dataclasses.replace(view, engines=engines_in(body.get("spec")))
         return {view.namespace: view}
 
     @kopf.index("pods", labels={names.LABEL_COMPONENT: "evictor"}, id="kvtier_evictor_runs",
@@ -220,6 +229,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         kvtier_pods: kopf.Index = indexes["kvtier_pods"]
         kvtier_evictor_runs: kopf.Index = indexes["kvtier_evictor_runs"]
         configure(settings)
+        if config.namespaced:
+            settings.scanning.disabled = True
         # The indexes are live views: empty now, filled as the watches list and stream.
         state["drift"] = asyncio.create_task(drift_loop(kvtier_pods, kvtier_evictor_runs),
                                              name="kvtier-drift-loop")

@@ -13,6 +13,8 @@ ANNOTATION_RESTARTED_AT = f"{PREFIX}/restartedAt"
 # The field paths kvtier before server-side apply recorded on the objects it owns; the
 # gateway hands them over to server-side apply once, which then removes it (gateway.py).
 ANNOTATION_APPLIED_FIELDS = f"{PREFIX}/applied-fields"
+# On kvtier's own objects: the cache that owns them. On a workload's pod template (and so
+# its pods): the workload owner's opt-in to `rollout: Auto` restarts by that cache.
 LABEL_CACHE = f"{PREFIX}/cache"
 LABEL_OPT_OUT = f"{PREFIX}/inject"  # "false" on a pod skips injection
 LABEL_COMPONENT = f"{PREFIX}/component"
@@ -21,7 +23,17 @@ FINALIZER = f"{PREFIX}/finalizer"
 VOLUME_SHM = "kvtier-shm"
 VOLUME_CACHE = "kvtier-cache"
 VOLUME_SITE = "kvtier-site"
+VOLUME_LOCAL_DISK = "kvtier-local-disk"
+# Without a CPU tier kvtier's block stores run in vLLM's worker processes: their
+# kvtier_offload_* metrics reach the API server's /metrics through prometheus-client's
+# multiprocess mode, in a directory of the pod's own (an emptyDir; vLLM reads the
+# variable, offload/kvtier_offload/metrics.py).
+VOLUME_METRICS = "kvtier-metrics"
+METRICS_MOUNT = "/var/run/kvtier-metrics"
+METRICS_SIZE_LIMIT = "256Mi"
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 INIT_CONTAINER = "kvtier-offload-install"
+PREPARE_CONTAINER = "kvtier-prepare-tier"  # spec.storage.permissions.prepareDirectory
 # What runs before the engine in its container where it keeps a CPU tier in /dev/shm:
 # removes the regions a killed engine left behind, then execs the engine's command
 # (offload/kvtier_offload/shm_sweep.py).
@@ -43,6 +55,12 @@ def claim_name(tpc: TieredPrefixCache) -> str | None:
 
 def cronjob_name(tpc: TieredPrefixCache) -> str:
     return f"{tpc.name}-evictor"
+
+
+def object_evictor_name(tpc: TieredPrefixCache) -> str:
+    """The object store's eviction CronJob: no longer than the evictor's, so CR_NAME_MAX
+    keeps it within Kubernetes' 52 characters."""
+    return f"{tpc.name}-objects"
 
 
 def router_configmap_name(tpc: TieredPrefixCache) -> str:

@@ -28,10 +28,11 @@ from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.object_evictor import render_object_evictor
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import PLUGINS_FILE, render_router_configmap
-from kvtier_operator.rollout import roll
+from kvtier_operator.rollout import RolloutResult, roll
 from kvtier_operator.status import (
     CONDITION_TYPES,
     ENGINE_VERSION,
@@ -52,6 +53,7 @@ from kvtier_operator.status import (
     injected_condition,
     latest_run,
     observed_tiers,
+    opt_in_condition,
     prerequisites_condition,
     ready_condition,
     status_doc,
@@ -171,14 +173,27 @@ def reconcile_storage(tpc: TieredPrefixCache, gw: Gateway,
     return obs
 
 
-def check_prerequisites(tpc: TieredPrefixCache, gw: Gateway) -> Cond:
+def check_prerequisites(tpc: TieredPrefixCache, gw: Gateway,
+                        reference_namespaces: frozenset[str] = frozenset()) -> Cond:
     """Whether the objects the engine needs (and others manage) exist: a named field and
-    the missing object in the condition, instead of pods that crash-loop."""
+    the missing object in the condition, instead of pods that crash-loop.
+
+    An object in another namespace is looked up only where the install allows references
+    (`reference_namespaces`, the chart's referenceNamespaces); elsewhere the answer is the
+    same whether or not it exists, so a cache author learns nothing about namespaces they
+    cannot read (audit N7)."""
     missing: list[str] = []
     unknown: list[str] = []
+    refused: list[str] = []
     wanted = adapter_for(tpc.spec).prerequisites(tpc)
     for need in wanted:
         what = f"{need.kind} {need.namespace}/{need.name} ({need.field})"
+        if need.namespace != tpc.namespace and need.namespace not in reference_namespaces:
+            refused.append(f"{what}: namespace {need.namespace} is neither this cache's nor "
+                           "one the kvtier install allows references to (Helm value "
+                           "referenceNamespaces); move the object here or ask the cluster "
+                           "admin to allow it")
+            continue
         try:
             live = gw.get(need.kind, need.namespace, need.name)
         except ApiRejected as err:
@@ -188,7 +203,10 @@ def check_prerequisites(tpc: TieredPrefixCache, gw: Gateway) -> Cond:
             missing.append(f"{what} does not exist")
         elif need.key is not None and need.key not in (live.get("data") or {}):
             missing.append(f"{what} has no key {need.key!r}")
-    return prerequisites_condition(missing, unknown, len(wanted))
+        elif need.key is not None and need.check is not None:
+            text = str((live.get("data") or {})[need.key])
+            missing += [f"{what} key {need.key!r}: {p}" for p in need.check(text)]
+    return prerequisites_condition(missing, unknown, len(wanted), refused)
 
 
 def _apply_owned(tpc: TieredPrefixCache, gw: Gateway, desired: dict[str, Any] | None,
@@ -258,10 +276,12 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
               runs: list[EvictorRun], now: str,
               conflicts: dict[str, str] | None = None,
               observed: CacheObservation | None = None,
-              observing: bool = False) -> Outcome:
+              observing: bool = False,
+              reference_namespaces: frozenset[str] = frozenset()) -> Outcome:
     """conflicts: pods the webhook left alone, with why (pod name: reason); observed: the
     latest observation round's figures for this cache; observing: whether the operator
-    observes at all (off: the tier conditions say so)."""
+    observes at all (off: the tier conditions say so); reference_namespaces: where
+    references to other namespaces may point (check_prerequisites)."""
     try:
         tpc = parse_tpc(body)
     except InvalidResource as err:
@@ -269,7 +289,7 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
                        events=[("Warning", "InvalidSpec", str(err))], ok=False)
     events: list[tuple[str, str, str]] = [
         ("Warning", "DeprecatedField", message) for message in deprecations(tpc)]
-    prerequisites = check_prerequisites(tpc, gw)
+    prerequisites = check_prerequisites(tpc, gw, reference_namespaces)
     adapter = adapter_for(tpc.spec)
     run = latest_run(runs, tpc)
     _, usage = eviction_status(run)
@@ -281,6 +301,9 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     storage = reconcile_storage(tpc, gw, events)
     cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
                               names.cronjob_name(tpc), events)
+    object_cron_error = _apply_owned(tpc, gw, render_object_evictor(tpc, ctx), "CronJob",
+                                     names.object_evictor_name(tpc), events)
+    cron_error = cron_error or object_cron_error
     router = render_router_configmap(tpc, ctx.observed_cpu_blocks)
     router_name = names.router_configmap_name(tpc)
     router_error = _apply_owned(tpc, gw, router, "ConfigMap", router_name, events) or \
@@ -300,10 +323,18 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     injected = injected_condition(counts, [f"pod {pod}: {why}"
                                            for pod, why in sorted(conflicts.items())])
     if counts.pending and tpc.spec.rollout == RolloutPolicy.Auto and not conflicts:
-        pending = [p for p in pods if p.namespace == tpc.namespace and p.name in counts.pending]
-        result = roll(gw, tpc.namespace, pending, digest)
-        injected = Cond("False", "RollingOut", f"{len(counts.pending)} pod(s) pending: "
-                                               f"{result.message}")
+        # Only workloads whose owner opted in (their pod template's label) are restarted.
+        opted_in = set(counts.pending) - set(counts.not_opted_in)
+        pending = [p for p in pods if p.namespace == tpc.namespace and p.name in opted_in]
+        if pending:
+            result = roll(gw, tpc.namespace, tpc.name, pending, digest)
+            not_opted = (f"; {len(counts.not_opted_in)} more lack the opt-in label "
+                         f"{names.LABEL_CACHE}: {tpc.name}" if counts.not_opted_in else "")
+            injected = Cond("False", "RollingOut", f"{len(counts.pending)} pod(s) pending: "
+                                                   f"{result.message}{not_opted}")
+        else:
+            result = RolloutResult("no pending pod opted in")
+            injected = opt_in_condition(tpc, counts)
         if result.restarted is not None:
             events.append(("Normal", "RolloutStarted", f"restarting {result.restarted.kind} "
                                                        f"{result.restarted.name}"))

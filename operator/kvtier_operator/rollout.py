@@ -89,7 +89,19 @@ def _patch(w: Workload, digest: str) -> dict[str, Any]:
     return {"spec": {"template": stamp}}
 
 
-def roll(gw: Gateway, namespace: str, pending: list[PodView], digest: str) -> RolloutResult:
+def opted_in(w: Workload, obj: dict[str, Any], cache: str) -> bool:
+    """Whether every pod template of the workload carries the opt-in label for `cache`:
+    only the workload's owner can set it, so only they let a cache restart it."""
+    templates = _templates(w, obj)
+    return bool(templates) and all(
+        ((t.get("metadata") or {}).get("labels") or {}).get(names.LABEL_CACHE) == cache
+        for t in templates)
+
+
+def roll(gw: Gateway, namespace: str, cache: str, pending: list[PodView],
+         digest: str) -> RolloutResult:
+    """Restart the next workload of the pending pods, among those that opted in to
+    `cache` (opted_in); one at a time."""
     workloads: list[Workload] = []
     bare: list[str] = []
     for pod in pending:
@@ -101,6 +113,12 @@ def roll(gw: Gateway, namespace: str, pending: list[PodView], digest: str) -> Ro
     note = (f"; {len(bare)} pod(s) have no workload to restart ({', '.join(bare[:3])}): "
             "delete them to recreate them") if bare else ""
     live = {w: _read(gw, namespace, w) for w in sorted(workloads, key=lambda w: (w.kind, w.name))}
+    refused = [w for w, obj in live.items() if not opted_in(w, obj, cache)]
+    if refused:
+        note += (f"; {len(refused)} workload(s) lack the label {names.LABEL_CACHE}: {cache} "
+                 f"on their pod template ({', '.join(f'{w.kind} {w.name}' for w in refused[:3])})"
+                 " and are not restarted")
+        live = {w: obj for w, obj in live.items() if w not in refused}
     for w, obj in live.items():
         if rolling(w, obj) or restarted_for(w, obj, digest):
             return RolloutResult(f"waiting for {w.kind} {w.name} to finish rolling out{note}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_DO
+from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import (
     Condition,
     EvictionStatus,
@@ -60,20 +61,41 @@ class StorageObservation:
 class PodCounts:
     injected: int
     pending: list[str]
+    # pending pods whose workload owner has not opted in to this cache's restarts
+    not_opted_in: list[str] = field(default_factory=list)
 
 
 def count_pods(tpc: TieredPrefixCache, pods: list[PodView], config_hash: str) -> PodCounts:
-    injected, pending = 0, []
+    """Selected pods that run the engine: injected with the current config, or pending.
+    A pod where no engine runs (no container the webhook would inject, and never injected
+    by this cache) is neither: it is not the cache's to count or restart (audit N2)."""
+    engine = adapter_for(tpc.spec).launcher.label
+    injected, pending, not_opted_in = 0, [], []
     for pod in pods:
         if pod.namespace != tpc.namespace or not pod.active or pod.opted_out:
             continue
         if not tpc.spec.selector.matches(pod.label_dict):
             continue
+        if pod.cache != tpc.name and engine not in pod.engines:
+            continue
         if pod.cache == tpc.name and pod.config_hash == config_hash:
             injected += 1
         else:
             pending.append(pod.name)
-    return PodCounts(injected, sorted(pending))
+            if pod.opted_in_to != tpc.name:
+                not_opted_in.append(pod.name)
+    return PodCounts(injected, sorted(pending), sorted(not_opted_in))
+
+
+def opt_in_condition(tpc: TieredPrefixCache, counts: PodCounts) -> Cond:
+    """rollout: Auto with pending pods whose workloads have not opted in: what to add."""
+    shown = ", ".join(counts.not_opted_in[:5]) + (" ..." if len(counts.not_opted_in) > 5
+                                                   else "")
+    return Cond("False", "RolloutNotOptedIn", (
+        f"{len(counts.not_opted_in)} pending pod(s) ({shown}) belong to workloads whose pod "
+        f"template lacks the label {names.LABEL_CACHE}: {tpc.name}; rollout: Auto restarts "
+        "only workloads whose owner added it. Add it to the workload's pod template (that "
+        "edit restarts the pods with the current config), or restart them yourself"))
 
 
 def injected_condition(counts: PodCounts, conflicts: list[str]) -> Cond:
@@ -137,8 +159,12 @@ def eviction_status(run: EvictorRun | None) -> tuple[EvictionStatus | None, Usag
     return last, usage
 
 
-def prerequisites_condition(missing: list[str], unknown: list[str], checked: int) -> Cond:
-    """What the engine needs that others manage (adapter.prerequisites), as found."""
+def prerequisites_condition(missing: list[str], unknown: list[str], checked: int,
+                            refused: list[str] | None = None) -> Cond:
+    """What the engine needs that others manage (adapter.prerequisites), as found;
+    `refused`: references kvtier does not follow (another namespace, not allowed)."""
+    if refused:
+        return Cond("False", "ReferenceNotAllowed", "; ".join(refused))
     if missing:
         return Cond("False", "PrerequisitesMissing",
                     "; ".join(missing) + " (pods would crash-loop without it: create it or "

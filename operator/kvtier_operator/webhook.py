@@ -39,6 +39,7 @@ from kvtier_operator.admission import (
     validate_tpc,
 )
 from kvtier_operator.admission_lanes import AdmissionLanes
+from kvtier_operator.body_budget import BodyBudget, BodyClaim, BudgetLimits
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.conflict_log import ConflictLog
 from kvtier_operator.context import RenderContext
@@ -49,11 +50,11 @@ __all__ = ["MUTATE_PATH", "VALIDATE_PATH", "BadReview", "CacheRegistry", "Confli
 
 log = logging.getLogger("kvtier_operator.webhook")
 MAX_BODY = 3 * 1024 * 1024  # the API server's own request limit for admission objects
-# Request bodies held at once, over all connections (being read or being admitted): each
-# request reserves its Content-Length before a byte of its body is read, and is answered
-# 503 at once when the budget is spent, so many slow senders cannot grow the process
-# (the chart's memory limit is 512Mi).
-BODY_BUDGET = 64 * 1024 * 1024
+# Request bodies held at once, over all connections (being read or being admitted), so
+# many slow senders cannot grow the process (the chart's memory limit is 512Mi): charged
+# for bytes received, capped per peer, with a reserve for small bodies and a read deadline
+# in proportion to the body's size (body_budget.py). Past it the answer is 503.
+BODY_LIMITS = BudgetLimits()
 REQUEST_READ_TIMEOUT = 10.0  # seconds from a request's first byte to its last
 IDLE_TIMEOUT = 60.0  # seconds a connection may wait, with no request in progress
 TLS_HANDSHAKE_TIMEOUT = 10.0
@@ -173,6 +174,29 @@ class _Deadlines(asyncio.Protocol):
 
 
 _WATCHED = web.AppKey("kvtier_deadlines", dict)
+MAX_FAILURES_REMEMBERED = 100  # distinct failure sites whose traceback was logged
+
+
+class _FailureLog:
+    """A failed admission's traceback goes to the log once per place it failed (its
+    stack); later failures there are one line at DEBUG, so a client cannot flood the
+    log by repeating a request."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def report(self, path: str, problem: str) -> None:
+        lines = problem.rstrip().splitlines()
+        site = "\n".join(line for line in lines if line.lstrip().startswith("File "))
+        site += "\n" + (lines[-1].split(":", 1)[0] if lines else "")
+        if site in self._seen:
+            log.debug("admission to %s failed again at a known place: %s", path,
+                      lines[-1][:200] if lines else "")
+            return
+        if len(self._seen) < MAX_FAILURES_REMEMBERED:
+            self._seen.add(site)
+        log.error("admission to %s failed (answered without a change or denied; further "
+                  "failures at this place are logged at DEBUG):\n%s", path, problem)
 
 
 def _deadlines(request: web.Request) -> _Deadlines | None:
@@ -200,11 +224,16 @@ async def _every_answer_is_json(request: web.Request,
             deadlines.request_done()
 
 
+def path_of(request: web.Request) -> str:
+    return request.path[:100]
+
+
 def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
              lanes: AdmissionLanes | None = None) -> web.Application:
     lanes = lanes or AdmissionLanes()
 
-    free = BODY_BUDGET  # bytes of request bodies not yet reserved
+    budget = BodyBudget(BODY_LIMITS)
+    failures = _FailureLog()
 
     async def review(request: web.Request, path: str) -> web.Response:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -214,26 +243,54 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
         size = request.content_length if request.content_length is not None else MAX_BODY
         if size > MAX_BODY:
             return web.json_response({"error": f"body over {MAX_BODY} bytes"}, status=413)
-        nonlocal free
-        if size > free:
-            return web.json_response({"error": "the kvtier webhook is busy (request bodies "
-                                      "in progress); retry later"}, status=503)
-        free -= size
+        claim = budget.claim(request.remote or "", size)
         try:
-            return await _review(request, path)
+            return await _review(request, path, claim, budget.body_deadline(size))
         finally:
-            free += size
+            claim.release()
 
-    async def _review(request: web.Request, path: str) -> web.Response:
+    async def _read_body(request: web.Request, claim: BodyClaim,
+                         deadline: float) -> bytes | web.Response:
+        """The body, charged to `claim` as it arrives; or the answer refusing it."""
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            async with asyncio.timeout(deadline):
+                while chunk := await request.content.readany():
+                    got += len(chunk)
+                    if got > MAX_BODY:
+                        refusal = web.json_response({"error": f"body over {MAX_BODY} bytes"},
+                                                    status=413)
+                        break
+                    if not claim.charge(len(chunk)):
+                        refusal = web.json_response(
+                            {"error": "the kvtier webhook is busy (request bodies in "
+                             "progress); retry later"}, status=503)
+                        break
+                    chunks.append(chunk)
+                else:
+                    return b"".join(chunks)
+        except TimeoutError:
+            log.info("closed the connection from %s: its %s body did not arrive within "
+                     "%.1f s", request.remote, path_of(request), deadline)
+            refusal = web.json_response({"error": f"the body did not arrive within "
+                                         f"{deadline:.1f} s"}, status=408)
+        refusal.force_close()  # the rest of the body is not read
+        return refusal
+
+    async def _review(request: web.Request, path: str, claim: BodyClaim,
+                      deadline: float) -> web.Response:
         started = time.perf_counter()
         try:
-            body = await request.read()
+            body = await _read_body(request, claim, deadline)
         except ConnectionError:
             deadlines = _deadlines(request)
             if deadlines is None or not deadlines.expired:
                 log.info("client %s went away before sending its whole request to %s",
                          request.remote, path)
             return web.json_response({"error": "incomplete request"}, status=400)
+        if isinstance(body, web.Response):
+            return body
         deadlines = _deadlines(request)
         if deadlines is not None:
             deadlines.request_read()
@@ -245,8 +302,7 @@ def make_app(caches: CacheRegistry, conflicts: ConflictLog, ctx: RenderContext,
         for (namespace, cache, pod), why in reasons.items():
             conflicts.record(namespace, cache, pod, "; ".join(why))
         if outcome.problem:
-            log.error("admission to %s failed (answered without a change or denied):\n%s",
-                      path, outcome.problem)
+            failures.report(path, outcome.problem)
         log.debug("%s answered %d in %.1f ms", path, outcome.status,
                   (time.perf_counter() - started) * 1e3)
         return web.Response(body=outcome.body, status=outcome.status,

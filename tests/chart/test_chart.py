@@ -64,8 +64,10 @@ def test_every_rendered_object_is_valid(name):
             continue
         kubernetes_validate.validate(obj, K8S, strict=True)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service",
-            "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"} <= kinds
+    rbac = {"Role", "RoleBinding"} if "watchNamespaces" in " ".join(VALUE_SETS[name]) \
+        else {"ClusterRole", "ClusterRoleBinding"}
+    assert {"Deployment", "ServiceAccount", "Service", "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", *rbac} <= kinds
 
 
 def test_operator_deployment_is_locked_down():
@@ -139,6 +141,18 @@ def test_cert_manager_mode_injects_the_ca():
     assert "caBundle" not in cfg["webhooks"][0]["clientConfig"]
 
 
+@pytest.mark.parametrize(("values", "allowed"), [
+    ((), ""), (("localDisk.allowedHostPaths={/mnt/nvme,/data/ssd}",), "/mnt/nvme,/data/ssd")])
+def test_the_allowed_host_paths_reach_the_operator(values, allowed):
+    from kvtier_operator.app import config_from_env
+
+    (dep,) = by_kind(render(*values), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["KVTIER_ALLOWED_HOST_PATHS"] == allowed
+    assert ",".join(config_from_env(env).render.allowed_host_paths) == allowed
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("webhook.timeoutSeconds=30", "at '/webhook/timeoutSeconds': maximum: got 30, want 5"),
     ("logFormat=xml", "at '/logFormat'"),
@@ -147,6 +161,8 @@ def test_cert_manager_mode_injects_the_ca():
     ("webhook.timeoutSecond=3", "additional properties 'timeoutSecond' not allowed"),
     ("podSecurityContext.runAsNonRoot=false", "at '/podSecurityContext/runAsNonRoot'"),
     ("watchNamespaces={Bad_Name}", "at '/watchNamespaces/0'"),
+    ("localDisk.allowedHostPaths={mnt/nvme}", "at '/localDisk/allowedHostPaths/0'"),
+    ("localDisk.allowedHostPaths={/mnt/../etc}", "at '/localDisk/allowedHostPaths/0'"),
 ])
 def test_bad_values_are_rejected_with_the_field(value, message):
     result = helm("template", "rel", str(CHART), "--set", value)

@@ -55,7 +55,28 @@ def granted() -> set[tuple[str, str, str]]:
             for resource in rule["resources"] for verb in rule["verbs"]}
 
 
-async def drive(kmock) -> None:
+def namespace_of(path: str) -> str | None:
+    parts = [p for p in path.split("/") if p]
+    return parts[parts.index("namespaces") + 1] if "namespaces" in parts[:-1] else None
+
+
+def rendered_rules(*sets: str) -> dict[str | None, set[tuple[str, str, str]]]:
+    """The chart's grants per namespace (None: cluster-wide), as (verb, group, resource)."""
+    args = [str(HELM), "template", "rel", str(CHART), "-s", "templates/rbac.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, check=True)
+    grants: dict[str | None, set[tuple[str, str, str]]] = {}
+    for doc in yaml.safe_load_all(out.stdout):
+        if doc and doc["kind"] in ("ClusterRole", "Role"):
+            where = doc["metadata"].get("namespace") if doc["kind"] == "Role" else None
+            grants.setdefault(where, set()).update(
+                (verb, group, resource) for rule in doc["rules"] for group in rule["apiGroups"]
+                for resource in rule["resources"] for verb in rule["verbs"])
+    return grants
+
+
+async def drive(kmock, namespaces: list[str] | None = None) -> None:
     """Every operator path that talks to the API."""
     seed_world(kmock, "Auto")  # deployments, replicasets, statefulsets, a leaderworkerset
     doc = tpc_doc({"router": {"enabled": True}, "rollout": "Auto"}, name="cache", namespace=NS)
@@ -79,14 +100,17 @@ async def drive(kmock) -> None:
     kmock.objects["v1/pods", NS, "delta-0"] = stale
     digest = config_hash(parse_tpc(doc), CTX)
     # A Mooncake cache: the operator checks its ConfigMap and master Service exist.
+    # (Its SSD variant: the client DaemonSet too.)
     moon = tpc_doc({"selector": {"matchLabels": {"app": "moon"}}, "storage": None,
                     "connector": "mooncake-store", "mooncake": {
                         "configMapName": "mooncake-config",
-                        "masterService": {"name": "mooncake-master", "namespace": "mooncake"}}},
+                        "masterService": {"name": "mooncake-master", "namespace": "mooncake"},
+                        "offload": {"clientDaemonSet": {"name": "mooncake-client",
+                                                        "namespace": "mooncake"}}}},
                    name="moon", namespace=NS)
     moon["metadata"].update(uid="u-2", generation=1)
     kmock.objects[TPC, NS, "moon"] = moon
-    async with operator(kmock, drift_interval=0.2):
+    async with operator(kmock, drift_interval=0.2, namespaces=namespaces):
         await until(lambda: any(c["reason"] == "PrerequisitesMissing" for c in (
             obj(kmock, TPC, NS, "moon").get("status") or {}).get("conditions", [])),
             what="moon prerequisites checked")
@@ -136,7 +160,8 @@ async def test_role_grants_every_call_the_operator_makes(kmock):
                      ("patch", "leaderworkerset.x-k8s.io", "leaderworkersets"),
                      ("delete", "batch", "cronjobs"), ("patch", "kvtier.dev",
                                                        "tieredprefixcaches/status"),
-                     ("watch", "", "pods"), ("get", "apps", "replicasets")]:
+                     ("watch", "", "pods"), ("get", "apps", "replicasets"),
+                     ("get", "apps", "daemonsets")]:
         assert expected in calls, expected
     missing = sorted(calls - granted())
     assert missing == [], f"the chart's ClusterRole lacks: {missing}"
@@ -149,3 +174,31 @@ def test_role_grants_nothing_on_secrets_or_writes_to_pods():
     assert not [r for r in role if r[2] == "secrets"]
     assert not [r for r in role if r[2] == "pods" and r[0] not in ("list", "watch")]
     assert copy.deepcopy(role) == role
+
+
+async def test_per_namespace_roles_grant_every_call_of_a_namespaced_operator(kmock):
+    """watchNamespaces: the operator runs for its namespaces only, and every call it makes
+    is granted where it makes it: in the watched namespace by its Role, in a reference
+    namespace by the references Role, cluster-wide only by the CRD read (audit v2, N3)."""
+    setup(kmock)
+    await drive(kmock, namespaces=[NS])
+    grants = rendered_rules(f"watchNamespaces={{{NS}}}", "referenceNamespaces={mooncake}")
+    assert set(grants) == {NS, "mooncake"}  # nothing cluster-wide
+    denied, seen = [], set()
+    for request in kmock._requests:
+        if request.headers.get("User-Agent", "").startswith("kmock/"):
+            continue
+        method = str(request.method.value if hasattr(request.method, "value")
+                     else request.method)
+        call = api_call(method, request.url.path, dict(request.url.query))
+        if not call:
+            continue
+        where = namespace_of(request.url.path)
+        seen.add((where, *call))
+        if call not in grants.get(where, set()):
+            denied.append((where, *call))
+    assert ("mooncake", "get", "", "services") in seen  # the reference was looked up
+    assert (NS, "patch", "apps", "deployments") in seen  # and the rollout ran
+    assert denied == [], f"calls no Role or ClusterRole of this install grants: {denied}"
+    cluster_scoped = sorted(c for c in seen if c[0] is None)
+    assert cluster_scoped == [], f"a namespaced operator made cluster-wide calls: {cluster_scoped}"

@@ -10,7 +10,10 @@ once and loads the blocks from the files. Saves each server's page before its fi
 request (`-idle`, what the operator's first read sees) and after, the installed vLLM's
 version in the file name. Then vLLM's own CPU tier (its worker replaced by one that moves
 no data, tests/e2e/noop_cpu_spec.py): the prompt, the HBM prefix cache reset, the prompt
-again (`cpu-tier-c-hit`). Takes a few minutes on 2 cores.
+again (`cpu-tier-c-hit`). Then the same under vLLM's TieringOffloadingSpec with kvtier's
+storage tier as the operator renders it (`cpu-storage-t-*`: on 0.33 its
+`vllm:kv_offload_config_info` has a series per tier, by the `tier` label). Takes a few
+minutes on 2 cores; --cpu-only skips the GPU-direct servers.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests.e2e.observe_server import (
     cpu_tier_config,
     metrics_page,
     reset_hbm_prefix_cache,
+    tiering_config,
 )
 from tests.helpers import ROOT
 
@@ -53,18 +57,21 @@ def capture(out: Path, only_cpu: bool = False) -> list[Path]:
                 path.write_text(page)
                 written.append(path)
         # vLLM's own CPU tier, its worker a no-op (it cannot run on CPU): the prompt,
-        # the HBM prefix cache reset, the prompt again: a CPU-tier hit.
-        with api_server(model, None, Path(tmp) / "cpu.log", kv=cpu_tier_config()) as url:
-            pages = {"c-idle": metrics_page(url)}
-            complete(url)
-            time.sleep(2)
-            reset_hbm_prefix_cache(url)
-            complete(url)
-            pages["c-hit"] = metrics_page(url, settle_s=3)
-        for label, page in pages.items():
-            path = out / f"vllm-{version}-cpu-tier-{label}.txt"
-            path.write_text(page)
-            written.append(path)
+        # the HBM prefix cache reset, the prompt again: a CPU-tier hit. Alone, then with
+        # kvtier's storage tier behind it.
+        for name, kv in (("cpu-tier-c", cpu_tier_config()),
+                         ("cpu-storage-t", tiering_config(Path(tmp) / "T"))):
+            with api_server(model, None, Path(tmp) / f"{name}.log", kv=kv) as url:
+                pages = {f"{name}-idle": metrics_page(url)}
+                complete(url)
+                time.sleep(2)
+                reset_hbm_prefix_cache(url)
+                complete(url)
+                pages[f"{name}-hit"] = metrics_page(url, settle_s=3)
+            for label, page in pages.items():
+                path = out / f"vllm-{version}-{label}.txt"
+                path.write_text(page)
+                written.append(path)
     return written
 
 

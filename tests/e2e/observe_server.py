@@ -32,14 +32,35 @@ def free_port() -> int:
 
 def kv_transfer_config(root: Path) -> dict:
     from kvtier_operator.render.connector import kv_transfer_config as rendered_config
-    from kvtier_operator.validation import parse_tpc
-    from tests.helpers import example
 
-    rendered = rendered_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+    rendered = rendered_config(gpu_direct_tpc())
     extra = rendered["kv_connector_extra_config"] | {
         "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2,
         "recompute_bound": False}  # see tests/e2e/engine.py's build_llm
     return rendered | {"kv_connector_extra_config": extra}
+
+
+def gpu_direct_tpc():
+    from kvtier_operator.validation import parse_tpc
+    from tests.helpers import example
+
+    return parse_tpc(example(GPU_DIRECT_EXAMPLE))
+
+
+def rendered_env(metrics_dir: Path) -> dict[str, str]:
+    """The env the operator renders for the GPU-direct server (the engine's connector
+    env; the kv-transfer JSON goes on the command line here), its multiprocess metrics
+    directory (an emptyDir in a pod) at metrics_dir."""
+    from kvtier_operator import names
+    from kvtier_operator.engines.base import PodRole
+    from kvtier_operator.engines.registry import adapter_for
+
+    tpc = gpu_direct_tpc()
+    env = adapter_for(tpc.spec).env(tpc, PodRole.server)
+    assert env.get(names.ENV_MULTIPROC_DIR) == names.METRICS_MOUNT, env
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    env.pop("PYTHONHASHSEED")  # the servers of one test share theirs (below)
+    return env | {names.ENV_MULTIPROC_DIR: str(metrics_dir)}
 
 
 CPU_TIER_BYTES = 1 << 30
@@ -55,19 +76,42 @@ def cpu_tier_config() -> dict:
                 "cpu_bytes_to_use": CPU_TIER_BYTES}}
 
 
+def tiering_config(root: Path) -> dict:
+    """What the operator renders for a CPU tier and kvtier's storage tier
+    (examples/native-kvtier.yaml), on root, the CPU tier CPU_TIER_BYTES, its spec the
+    one whose worker moves no data (tests/e2e/noop_cpu_spec.py)."""
+    from kvtier_operator.render.connector import kv_transfer_config as rendered_config
+    from kvtier_operator.validation import parse_tpc
+    from tests.helpers import example
+
+    rendered = rendered_config(parse_tpc(example("native-kvtier.yaml")))
+    extra = rendered["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec", extra
+    (tier,) = extra["secondary_tiers"]
+    tier = tier | {"root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
+    extra = extra | {"spec_name": "NoopTieringOffloadingSpec",
+                     "spec_module_path": "tests.e2e.noop_cpu_spec",
+                     "cpu_bytes_to_use": CPU_TIER_BYTES, "block_size": 2 * BLOCK_SIZE,
+                     "secondary_tiers": [tier]}
+    return rendered | {"kv_connector_extra_config": extra}
+
+
 @contextlib.contextmanager
 def api_server(model: Path, root: Path | None, log: Path, ready_s: float = 420,
                kv: dict | None = None) -> Iterator[str]:
-    """A running API server (kvtier's GPU-direct spec on root, or the kv-transfer config
-    kv); yields its base URL. Its output goes to log."""
+    """A running API server (kvtier's GPU-direct spec on root with the env the operator
+    renders for it, or the kv-transfer config kv); yields its base URL. Its output goes
+    to log."""
     port = free_port()
     env = {**os.environ, "PYTHONHASHSEED": "7", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get(
                "PYTHONPATH", "")) if p)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if kv is None:
         assert root is not None
         kv = kv_transfer_config(root)
+        env |= rendered_env(log.with_suffix(".metrics"))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--skip-tokenizer-init",
             "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "512",

@@ -30,7 +30,7 @@ def counters() -> dict[str, float]:
     from prometheus_client import REGISTRY
 
     def value(name: str, labels: dict[str, str]) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
+        return REGISTRY.get_sample_value(name, {"tier": "storage", **labels}) or 0.0
 
     return {
         "bad-checksum": value("kvtier_offload_corrupt_files_total", {"reason": "bad-checksum"}),

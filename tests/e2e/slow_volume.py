@@ -31,7 +31,7 @@ def skipped() -> dict[str, float]:
     from kvtier_offload.recompute_bound import REASONS
 
     return {reason: REGISTRY.get_sample_value("kvtier_offload_tier_skipped_total",
-                                              {"reason": reason}) or 0.0
+                                              {"tier": "storage", "reason": reason}) or 0.0
             for reason in REASONS}
 
 

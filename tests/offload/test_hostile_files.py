@@ -35,7 +35,7 @@ BOUND = 10.0  # seconds a load of a refused file may take at most (it takes mill
 
 def not_a_file_count() -> float:
     return REGISTRY.get_sample_value("kvtier_offload_corrupt_files_total",
-                                     {"reason": "not-a-file"}) or 0.0
+                                     {"tier": "storage", "reason": "not-a-file"}) or 0.0
 
 
 def release_fifo(path: str) -> None:

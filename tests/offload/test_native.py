@@ -69,7 +69,7 @@ def test_the_store_says_once_which_path_it_runs_and_exports_it(tmp_path, caplog,
     else:
         assert lines[0].levelname == "WARNING" and why in lines[0].getMessage()
     gauges = recorder.take()[1]
-    assert gauges[("kvtier_offload_native", (code,))] == (1 if code == "ok" else 0)
+    assert gauges[("kvtier_offload_native", ("storage", code))] == (1 if code == "ok" else 0)
 
 
 def test_hot_path_reasons():

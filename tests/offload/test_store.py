@@ -202,7 +202,7 @@ def test_bad_file_metric_counts(make_store):
 
     def count() -> float:
         return REGISTRY.get_sample_value("kvtier_offload_corrupt_files_total",
-                                         {"reason": "bad-checksum"}) or 0.0
+                                         {"tier": "storage", "reason": "bad-checksum"}) or 0.0
 
     store = make_store()
     ks = keys(1)
@@ -249,7 +249,8 @@ def test_a_key_another_store_wrote_first_is_kept_and_counted(make_store, batch_i
 
     def exists() -> float:
         return REGISTRY.get_sample_value("kvtier_offload_operations_total",
-                                         {"direction": "store", "outcome": "exists"}) or 0.0
+                                         {"tier": "storage", "direction": "store",
+                                          "outcome": "exists"}) or 0.0
 
     first, second = make_store(), make_store(batch_io=batch_io)  # caches of their own
     ks = keys(2)
@@ -329,7 +330,7 @@ def test_stores_backing_off_or_too_long_queued_are_dropped_on_either_path(make_s
 
     def dropped() -> float:
         return REGISTRY.get_sample_value("kvtier_offload_dropped_writes_total",
-                                         {"reason": why}) or 0.0
+                                         {"tier": "storage", "reason": why}) or 0.0
 
     pool = IOPool(1, 0)  # one thread, held below while the job waits
     store = make_store(batch_io=batch_io, pool=pool,
@@ -724,7 +725,7 @@ def test_the_latency_histogram_gets_each_blocks_own_time(tmp_path, batch_io):
             assert run(store, 1 if direction == "store" else 2, items).success
             wall = time.monotonic() - began
             _, _, observed = recorder.take()
-            times = sorted(observed[("kvtier_offload_latency_seconds", (direction,))])
+            times = sorted(observed[("kvtier_offload_latency_seconds", ("storage", direction))])
             assert len(times) == 6  # one observation per block, none per batch
             # The large one's own time (an average share would make all six equal),
             # against the median of the rest: a small block's time can take a scheduling
@@ -748,12 +749,29 @@ def test_a_recorder_hands_over_increases_once_and_gauges_always():
     metrics.load_latency.observe(0.25)
     observe_all(metrics.load_latency, np.array([0.5, 0.75]))
     counts, gauges, observed = recorder.take()
-    assert counts == {("kvtier_offload_bytes", ("load",)): 128,
-                      ("kvtier_offload_dropped_writes", ("queue-full",)): 3}
-    assert gauges == {("kvtier_offload_queue_depth", ("store",)): 3}
-    assert observed == {("kvtier_offload_latency_seconds", ("load",)): [0.25, 0.5, 0.75]}
+    assert counts == {("kvtier_offload_bytes", ("storage", "load")): 128,
+                      ("kvtier_offload_dropped_writes", ("storage", "queue-full")): 3}
+    assert gauges == {("kvtier_offload_queue_depth", ("storage", "store")): 3}
+    assert observed == {("kvtier_offload_latency_seconds", ("storage", "load")):
+                        [0.25, 0.5, 0.75]}
     metrics.in_queue["store"].dec(3)
-    assert recorder.take() == ({}, {("kvtier_offload_queue_depth", ("store",)): 0}, {})
+    assert recorder.take() == ({}, {("kvtier_offload_queue_depth", ("storage", "store")): 0}, {})
+
+
+def test_tiers_of_one_process_count_apart():
+    """A local, a shared and an object tier under one vLLM report through one stats
+    channel: each series carries its tier, so the operator never adds them up."""
+    from kvtier_offload.metrics import Metrics, Recorder
+
+    recorder = Recorder()
+    for tier, amount in (("localDisk", 4), ("storage", 2), ("objectStore", 1)):
+        Metrics(recorder, tier).load_bytes.inc(amount)
+        Metrics(recorder, tier).operations.labels("load", "corrupt").inc(amount)
+    counts, _, _ = recorder.take()
+    assert counts[("kvtier_offload_bytes", ("localDisk", "load"))] == 4
+    assert counts[("kvtier_offload_bytes", ("storage", "load"))] == 2
+    assert counts[("kvtier_offload_bytes", ("objectStore", "load"))] == 1
+    assert counts[("kvtier_offload_operations", ("objectStore", "load", "corrupt"))] == 1
 
 
 def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
@@ -763,7 +781,7 @@ def test_queue_depth_counts_blocks_until_they_finish(make_store, monkeypatch):
 
     def depth(direction: str) -> float:
         return REGISTRY.get_sample_value("kvtier_offload_queue_depth",
-                                         {"direction": direction}) or 0.0
+                                         {"tier": "storage", "direction": direction}) or 0.0
 
     pool = IOPool(1, 0)
     store = make_store(pool=pool)

@@ -21,7 +21,7 @@ from kvtier_offload.vllm_tier import KvtierStorageTier  # noqa: E402
 from tests.offload.test_vllm_tier import PAGE, job, wait_jobs  # noqa: E402
 
 
-def spec_with(tiers: list[dict]) -> TieringOffloadingSpec:
+def spec_with(tiers: list[dict], events: bool = False) -> TieringOffloadingSpec:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -33,7 +33,7 @@ def spec_with(tiers: list[dict]) -> TieringOffloadingSpec:
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
                                       group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": 32 * PAGE * 4, "block_size": 64,
                       "secondary_tiers": tiers},
         engine_id=f"local-{os.getpid()}-{time.monotonic_ns()}",
@@ -95,6 +95,38 @@ def test_a_bounded_local_tier_before_the_shared_one(tmp_path):
         assert wait_jobs(near, 1)[100].success and wait_jobs(far, 1)[101].success
         assert np.array_equal(view[20:24], original[6:])
         assert np.array_equal(view[24:30], original[:6])
+    finally:
+        manager.shutdown()
+
+
+def test_the_local_tier_announces_what_its_bound_evicts(tmp_path):
+    """With KV events on (precise routing), every block the capacity bound removes is
+    announced removed, after it was announced stored, so the router stops counting it on
+    this pod."""
+    row = 4 * PAGE
+    manager = spec_with([{**local(tmp_path / "nvme", 2 * block_file_bytes(row)),
+                          "enable_kv_events": True}], events=True).get_manager()
+    try:
+        (near,) = manager.secondary_tiers
+        assert near.store.files.ready.wait(10)
+        keys = [bytes([i + 1]) * 32 + b"\0\0\0\0" for i in range(5)]
+        for n, key in enumerate(keys):
+            near.submit_store(job(n, [key], [n]))
+            assert wait_jobs(near, 1)[n].success
+        events = list(near.take_events())
+        stored = [k for e in events if not e.removed for k in e.keys]
+        removed = [k for e in events if e.removed for k in e.keys]
+        assert stored == keys
+        assert removed == keys[:3]  # the bound holds two: the three oldest went
+        assert all(e.medium.value == "STORAGE" and e.locality is Locality.LOCAL
+                   for e in events)
+        # Never announced removed before it was announced stored.
+        first = {}
+        for i, e in enumerate(events):
+            for k in e.keys:
+                first.setdefault((k, e.removed), i)
+        assert all(first[k, False] < first[k, True] for k in removed)
+        assert list(near.take_events()) == []
     finally:
         manager.shutdown()
 

@@ -27,7 +27,7 @@ def _skipped(reason: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value("kvtier_offload_tier_skipped_total",
-                                     {"reason": reason}) or 0.0
+                                     {"tier": "storage", "reason": reason}) or 0.0
 
 
 def _manager(tmp_path, clock, seconds_per_token: float | None = 0.001, **config):

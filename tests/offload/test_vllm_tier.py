@@ -218,7 +218,7 @@ def test_metrics_reach_the_api_server_through_vllms_stats(tier):
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model_name": "tiny/model", "engine": "0",
-                                                **labels})
+                                                "tier": "storage", **labels})
 
     row = tier.block_size_bytes
     assert value("kvtier_offload_bytes_total", direction="store") == 3 * row

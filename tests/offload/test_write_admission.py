@@ -27,16 +27,67 @@ def test_a_job_is_refused_where_the_queue_would_take_longer_than_its_budget():
     assert gate.admit(500 * MiB)
 
 
-def test_the_rate_moves_a_fifth_of_the_way_per_block():
-    gate = WriteAdmission("/", queue_seconds=10.0, floor_percent=0)
-    gate.written(100, 1.0, blocks=1)
-    assert gate.rate == 100
-    gate.written(200, 1.0, blocks=1)
-    assert gate.rate == pytest.approx(120)
-    gate.written(200, 1.0, blocks=2)
-    assert gate.rate == pytest.approx(0.64 * 120 + 0.36 * 200)
+def test_the_queue_drains_at_every_writers_rate_together():
+    """B2 (#36): the drain rate is one writer's measured rate times the writers, measured
+    over every writer's recent batches; a volume that does not scale shows it as slower
+    batches when they run at once; batches older than the window drop out."""
+    gate = WriteAdmission("/", queue_seconds=10.0, floor_percent=0, writers=8)
+    gate.written(32 * MiB, 1.0, blocks=4, now=100.0)  # one writer alone: 32 MiB/s
+    assert gate.rate == pytest.approx(256 * MiB)
+    for _ in range(8):  # eight at once, each 8 s per 32 MiB: the volume does not scale
+        gate.written(32 * MiB, 8.0, blocks=4, now=110.0)
+    assert gate.rate == pytest.approx(288 * MiB / 65 * 8)
+    gate.written(10 * MiB, 1.0, blocks=1, now=130.0)  # the rest is past the window
+    assert gate.rate == pytest.approx(80 * MiB)
 
 
+@pytest.mark.slow
+def test_eight_slow_writers_refuse_nothing_the_aggregate_rate_drains_in_budget(make_store):
+    """B2 (#36): 8 write threads at 32 MiB/s each (0.25 s per 8 MiB block) drain 256
+    MiB/s together; 60 stores of 8 MiB (480 MiB, under 2 s at that rate) arrive at once
+    after a warm-up: none may be refused against write_queue_seconds = 10 (one thread's
+    rate refused a third of them), and every refused one would be counted and never
+    found by a lookup."""
+    from prometheus_client import REGISTRY
+
+    from tests.offload.conftest import keys
+
+    store = make_store(write_threads=8, read_threads=1, io_threads=9, o_direct="off",
+                       write_queue_seconds=10.0)
+    files = store.files
+    batch, single = files.write_batch, files.write
+
+    def slow_batch(*args, **kwargs):
+        time.sleep(0.25)
+        return batch(*args, **kwargs)
+
+    def slow_single(*args, **kwargs):
+        time.sleep(0.25)
+        return single(*args, **kwargs)
+
+    files.write_batch, files.write = slow_batch, slow_single
+    block = memoryview(bytearray(8 * MiB))
+    names = keys(61)
+
+    def refused() -> float:
+        return REGISTRY.get_sample_value("kvtier_offload_dropped_writes_total",
+                                         {"reason": "queue-full"}) or 0.0
+
+    store.store(0, [(names[0], block)])  # warm-up: the first rate is measured
+    assert store.drain(10)
+    store.finished()
+    before = refused()
+    start = time.monotonic()
+    for job in range(1, 61):
+        store.store(job, [(names[job], block)])
+    assert store.drain(30)
+    took = time.monotonic() - start
+    outcomes = store.finished()
+    failed = [o.job_id for o in outcomes if not all(o.ok)]
+    assert failed == [] and refused() == before, \
+        f"refused {len(failed)} of 60 stores that drained in {took:.1f} s"
+    assert took < 10.0
+    assert all(store.lookup(k) is not False for k in names[1:])
 def test_late_blocks_are_stale_or_backing_off():
     gate = WriteAdmission("/", queue_seconds=5.0, floor_percent=0)
     now = time.monotonic()

@@ -68,14 +68,18 @@ def make_worker(tmp_path, caches, **kwargs):
         write_threads=threads)), caches, blocks_per_chunk=1, **kwargs)
 
 
-def finish(worker, job_ids: set[int], timeout: float = 30.0) -> dict[int, bool]:
-    """Poll get_finished() as vLLM does each step until the jobs are reported."""
+def finish(worker, job_ids: set[int], timeout: float = 30.0,
+           written: bool = True) -> dict[int, bool]:
+    """Poll get_finished() as vLLM does each step until the jobs are reported, and (with
+    written) until every acknowledged store's file writes have returned: a store is
+    reported at its device fence, before its files exist."""
     import time
 
     results: dict[int, bool] = {}
     deadline = time.monotonic() + timeout
-    while not job_ids <= results.keys():
-        assert time.monotonic() < deadline, f"jobs {job_ids - results.keys()} never finished"
+    while not job_ids <= results.keys() or (written and worker.writes_in_flight):
+        assert time.monotonic() < deadline, \
+            f"jobs {job_ids - results.keys()} never finished, or their writes never returned"
         results |= {r.job_id: r.success for r in worker.get_finished()}
         time.sleep(0.001)
     return results

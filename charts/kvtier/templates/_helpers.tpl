@@ -19,3 +19,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- define "kvtier.webhookService" -}}{{ include "kvtier.fullname" . }}-webhook{{- end -}}
 {{- define "kvtier.certSecret" -}}{{ include "kvtier.fullname" . }}-webhook-tls{{- end -}}
+{{- /* The matchCondition that picks the operator's own requests (operator-policy.yaml) */ -}}
+{{- define "kvtier.operatorIdentity" -}}
+request.userInfo.username == 'system:serviceaccount:{{ .Release.Namespace }}:{{ include "kvtier.fullname" . }}'
+{{- end }}

@@ -87,6 +87,12 @@ STORAGE_CLASS_NAME = dns_subdomain("StorageClass name")
 CONFIG_MAP_NAME = dns_subdomain("ConfigMap name")
 NAMESPACE = dns_label("namespace")
 SERVICE_NAME = dns_label("Service name")
+DAEMON_SET_NAME = dns_subdomain("DaemonSet name")
+# An extended resource a device plugin advertises (rdma/ib): prefix/name, as a label key
+# but with the prefix required. It reaches the pod's resources, never a shell.
+RESOURCE_NAME = Rule(f"^{_SUBDOMAIN}/{_LABEL_NAME}$", 253 + 1 + 63,
+                     "must be an extended resource name: a DNS-1123 subdomain prefix, '/' "
+                     "and a name of letters, digits, '-', '_' and '.' (e.g. rdma/ib)")
 # Where the evictor publishes KV events (a ZMQ endpoint it connects to): tcp, a host name
 # or IPv4 address, a port. It reaches the evictor's argv (never a shell).
 ZMQ_ENDPOINT = Rule(r"^tcp://[A-Za-z0-9]([-.A-Za-z0-9]{0,251}[A-Za-z0-9])?:[0-9]{1,5}$", 272,
@@ -139,3 +145,31 @@ MOUNT_PATH_PLACE = Rule(
     "would shadow what the model server's image keeps there (its code, working directory "
     "or system files): use a directory of its own under " + ", ".join(
         r + "/" for r in MOUNT_PATH_ROOTS) + " such as /mnt/files-storage")
+
+SECRET_NAME = dns_subdomain("Secret name")
+SECRET_KEY = Rule("^[-._a-zA-Z0-9]+$", 253,
+                  "must be a Secret key: letters, digits, dashes, dots and underscores")
+# A host directory for the local-disk tier: absolute and normalised like a mount path
+# (it reaches the pod spec only, never a shell); where it may be is the admin's choice
+# (the Helm value localDisk.allowedHostPaths), checked by validation/host_paths.py.
+HOST_PATH = Rule(
+    f"^(/{_SEGMENT})+$", 512,
+    "must be an absolute, normalised host directory of letters, digits, '.', '_', '-' and "
+    "'/' (not '/', no '//', '.' or '..' segment, trailing '/' or shell character), e.g. "
+    "/mnt/nvme/kvtier")
+# S3 bucket names (the AWS rules, which S3-compatible stores follow): 3 to 63 lowercase
+# letters, digits, '.' and '-', starting and ending with a letter or digit.
+BUCKET_NAME = Rule("^[a-z0-9][-.a-z0-9]{1,61}[a-z0-9]$", 63,
+                   "must be an S3 bucket name: 3 to 63 lowercase letters, digits, '.' and "
+                   "'-', starting and ending with a letter or digit")
+# Where the tier's objects go in the bucket: '/'-separated segments of safe characters.
+OBJECT_PREFIX = Rule(
+    "^[A-Za-z0-9_-][-A-Za-z0-9_.]*(/[A-Za-z0-9_-][-A-Za-z0-9_.]*)*$", 200,
+    "must be an object key prefix of '/'-separated segments of letters, digits, '.', '_' "
+    "and '-' (no leading, trailing or double '/', no segment starting with '.'), e.g. "
+    "kvtier/v1")
+ENDPOINT_URL = Rule(
+    "^https?://[A-Za-z0-9]([-.A-Za-z0-9]{0,251}[A-Za-z0-9])?(:[0-9]{1,5})?$", 280,
+    "must be http(s)://<host>[:<port>] with no path, e.g. https://rgw.storage.svc:443")
+REGION = Rule("^[a-z0-9][-a-z0-9]{0,62}$", 63,
+              "must be a region name: lowercase letters, digits and '-', e.g. us-east-1")

@@ -13,6 +13,7 @@ Adapters are pure, like every renderer: spec in, values out.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -36,7 +37,11 @@ ROUTER_BLOCK_TOKENS = 16  # llm-d's approx prefix producer default (DefaultBlock
 # the shared volume a network read at a tenth of that (2-5 GB/s per pod) before the same
 # copy: 0.4 (the router's own default for llm-d's shared-storage tier). Overridden per
 # tier by spec.router.tierWeights. docs/modes.md "Routing" documents the table.
-DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.4}
+# A local-disk hit (kvtier's local tier on the pod's own NVMe, 3-7 GB/s, no network) sits
+# between the two: 0.6; an object-store hit (HTTP GETs, tens to hundreds of ms a block)
+# below the shared volume: 0.2.
+DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "localDisk": 0.6, "storage": 0.4,
+                        "objectStore": 0.2}
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,13 @@ class Prerequisite:
     """An object the engine needs that someone else manages; the operator checks it exists
     and names it in the PrerequisitesReady condition instead of letting pods crash-loop."""
 
-    kind: str  # "ConfigMap" | "Service"
+    kind: str  # "ConfigMap" | "Service" | "DaemonSet"
     namespace: str
     name: str
     field: str  # the spec field that names it, e.g. spec.mooncake.configMapName
     key: str | None = None  # a ConfigMap key that must be present
+    # What is wrong with that key's text (pure, bounded; empty: nothing).
+    check: Callable[[str], list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,10 @@ class Adapter(ABC):
     versions: ClassVar[VersionTable | None] = None
     # Whether spec.syncLoadBudget (the engine's in-step loads) is possible.
     sync_loads: ClassVar[bool] = False
+    # Whether the adapter chains more secondary tiers behind the CPU tier: the node-local
+    # disk (spec.localDisk) and an object store (spec.objectStore).
+    takes_local_disk: ClassVar[bool] = False
+    takes_object_store: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- the spec
     def validate(self, spec: TieredPrefixCacheSpec) -> None:
@@ -266,6 +277,11 @@ class Adapter(ABC):
     def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
         return []
 
+    def device_resources(self, spec: TieredPrefixCacheSpec) -> dict[str, str]:
+        """Extended resources (a device plugin's, e.g. rdma/ib) the model-server container
+        requests and limits; a container that already asks for one keeps its count."""
+        return {}
+
     def sweeps_shm(self, spec: TieredPrefixCacheSpec) -> bool:
         """Whether the engine keeps a region in /dev/shm that a killed engine leaves
         behind: its command is then prefixed with kvtier's sweep (needs the offload
@@ -277,6 +293,11 @@ class Adapter(ABC):
         return False
 
     # ------------------------------------------------- evictor, router, status
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        """The directory the engine writes the shared tier in, relative to
+        spec.storage.mountPath ('': the mount itself); what prepareDirectory prepares."""
+        return ""
+
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         """The evictor's --layout for the shared tier; None: no evictor CronJob (no
         shared tier, or the engine evicts on its own)."""
@@ -292,27 +313,30 @@ class Adapter(ABC):
 
     # The KV-event medium of each tier the engine has (vLLM: GPU, CPU, STORAGE), in order
     # from the fastest; the adapter says which tiers a spec configures (router_tier_names).
-    router_media: ClassVar[dict[str, str]] = {"gpu": "GPU", "cpu": "CPU", "storage": "STORAGE"}
+    router_media: ClassVar[dict[str, str]] = {"gpu": "GPU", "cpu": "CPU", "localDisk": "STORAGE",
+                                              "storage": "STORAGE", "objectStore": "STORAGE"}
     # Whether kvtier can make the engine publish KV events (spec.router.scoring precise).
     publishes_kv_events: ClassVar[bool] = False
 
     def router_tier_names(self, spec: TieredPrefixCacheSpec) -> list[str]:
         """The tiers this spec configures, fastest first."""
-        names = ["gpu"]
-        if spec.cpu is not None:
-            names.append("cpu")
-        if spec.storage is not None:
-            names.append("storage")
-        return names
+        return ["gpu", *self.offloaded_tiers(spec)]
 
     def router_tiers(self, spec: TieredPrefixCacheSpec) -> list[RouterTier]:
-        """Every tier the spec configures, with its event medium and weight (the spec's
-        override, else DEFAULT_TIER_WEIGHTS): none is left for the router to score 0."""
+        """Every medium the spec's tiers announce, with its weight (the spec's override,
+        else DEFAULT_TIER_WEIGHTS): none is left for the router to score 0. The router
+        weighs by medium alone, so tiers that announce the same one (vLLM's local disk,
+        shared volume and object store all say STORAGE) share one entry, weighted as the
+        fastest of them: a block a pod announces there is one it can load at that speed
+        at best."""
         overrides = spec.router.tier_weights
-        out = []
+        out: list[RouterTier] = []
         for name in self.router_tier_names(spec):
-            weight = getattr(overrides, name)
-            out.append(RouterTier(name, self.router_media[name],
+            medium = self.router_media[name]
+            if any(t.medium == medium for t in out):
+                continue
+            weight = overrides.of(name)
+            out.append(RouterTier(name, medium,
                                   DEFAULT_TIER_WEIGHTS[name] if weight is None else weight))
         return out
 
@@ -331,5 +355,6 @@ class Adapter(ABC):
 
     def offloaded_tiers(self, spec: TieredPrefixCacheSpec) -> tuple[str, ...]:
         """The tiers below HBM the spec configures, nearest first (status.tiers)."""
-        return (("cpu",) if spec.cpu is not None else ()) + \
-            (("storage",) if spec.storage is not None else ())
+        present = {"cpu": spec.cpu, "localDisk": spec.local_disk, "storage": spec.storage,
+                   "objectStore": spec.object_store}
+        return tuple(name for name, tier in present.items() if tier is not None)

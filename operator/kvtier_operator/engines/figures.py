@@ -87,11 +87,6 @@ def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, flo
     return tuple(sorted(out.items()))
 
 
-def first_labels(samples: Samples, name: str) -> Labels | None:
-    series = samples.get(name)
-    return series[0][0] if series else None
-
-
 def put(figures: PodFigures, key: Key, value: float | None, why_absent: str) -> None:
     if value is None:
         figures.missing[key] = why_absent

@@ -9,9 +9,11 @@ api/v1alpha1/settings.py, and its tests.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kvtier_operator.api.v1alpha1 import TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter
+from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.sglang.adapter import SglangHicache
 from kvtier_operator.engines.tpu.adapter import VllmTpuNative
 from kvtier_operator.engines.vllm.gpu import VllmLmcache, VllmNative
@@ -34,6 +36,20 @@ if len(_BY_PAIR) != len(ADAPTERS):
 DEFAULT_ENGINE = str(TieredPrefixCacheSpec.model_fields["engine"].default)
 DEFAULT_CONNECTOR = str(TieredPrefixCacheSpec.model_fields["connector"].default)
 SETTINGS_BLOCKS = tuple(sorted({a.settings_block for a in ADAPTERS if a.settings_block}))
+
+
+def engines_in(pod_spec: Any) -> frozenset[str]:
+    """The engines (Launcher.label) whose server or multi-host worker some container of
+    the pod runs; a command line longer than kvtier reads counts as none."""
+    containers = pod_spec.get("containers") if isinstance(pod_spec, dict) else None
+    found: set[str] = set()
+    launchers = {a.launcher.label: a.launcher for a in ADAPTERS}
+    for container in containers if isinstance(containers, list) else []:
+        if not isinstance(container, dict) or len(command_line(container)) > MAX_COMMAND_CHARS:
+            continue
+        found.update(label for label, launcher in launchers.items()
+                     if launcher.runs_server(container) or launcher.runs_worker(container))
+    return frozenset(found)
 
 
 def engines() -> list[str]:

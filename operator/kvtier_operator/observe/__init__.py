@@ -23,6 +23,9 @@ class PodView:
     owner_name: str | None
     ip: str | None = None  # status.podIP
     metrics_port: int | None = None  # the annotation, or a port named metrics or http
+    # The engines (Launcher.label) some container of the pod runs: set by the operator's
+    # pod index (engines.registry.engines_in), which knows the engines.
+    engines: frozenset[str] = frozenset()
 
     def metrics_url(self, default_port: int | None) -> str | None:
         port = self.metrics_port or default_port
@@ -38,6 +41,11 @@ class PodView:
     @property
     def identity(self) -> tuple[str, str]:
         return self.name, self.uid
+
+    @property
+    def opted_in_to(self) -> str | None:
+        """The cache whose rollout the pod's workload owner allowed (its label)."""
+        return self.label_dict.get(names.LABEL_CACHE)
 
     @property
     def opted_out(self) -> bool:

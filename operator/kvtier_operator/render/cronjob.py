@@ -63,8 +63,12 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
         "runAsGroup": EVICTOR_UID,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    if ev.fs_group is not None:
-        pod_security["fsGroup"] = ev.fs_group
+    # The model servers' group: eviction.fsGroup, else the one they write the tier as.
+    group = ev.fs_group
+    if group is None and storage.permissions is not None:
+        group = storage.permissions.fs_group
+    if group is not None:
+        pod_security["fsGroup"] = group
         pod_security["fsGroupChangePolicy"] = "OnRootMismatch"
     labels = names.owned_labels(tpc, "evictor")
     container = {

@@ -9,14 +9,16 @@ the caller can report them instead of silently rewriting a pod.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_operator import names
-from kvtier_operator.api.quantity import format_bytes, quantity_bytes
+from kvtier_operator.api.quantity import MAX_BYTES, format_bytes, quantity_bytes
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.base import PodRole
+from kvtier_operator.engines.chained_tiers import SecretEnv
 from kvtier_operator.engines.cmdline import kube_expansion
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line, prefix_program
 from kvtier_operator.plan import PodPlan, pod_plan
@@ -34,6 +36,69 @@ class Injection:
 def config_hash(tpc: TieredPrefixCache, ctx: RenderContext) -> str:
     """The config hash pods of this cache must carry (the plan's; see plan.py)."""
     return pod_plan(tpc, ctx).hash()
+
+
+class UnreadablePod(ValueError):
+    """A value in the pod kvtier must read or change and cannot: a conflict naming the
+    field, never the webhook's catch-all."""
+
+
+# Fields kvtier reads or writes, where an explicit `null` means the same as leaving the
+# field out (the API server's decoding drops it; a raw review may still carry it).
+_POD_FIELDS = ("containers", "initContainers", "volumes")
+_CONTAINER_FIELDS = ("env", "volumeMounts", "resources", "command", "args")
+_RESOURCE_FIELDS = ("requests", "limits")
+
+
+def _drop_nulls(obj: dict[str, Any], fields: tuple[str, ...]) -> None:
+    for key in fields:
+        if key in obj and obj[key] is None:
+            del obj[key]
+
+
+def _without_nulls(pod: dict[str, Any]) -> None:
+    """Treat `null` as absent in every field kvtier touches (in place, on its copy)."""
+    for key in ("metadata", "spec"):
+        if key in pod and pod[key] is None:
+            del pod[key]
+    meta = pod.get("metadata")
+    if isinstance(meta, dict):
+        _drop_nulls(meta, ("annotations", "labels"))
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        return
+    _drop_nulls(spec, _POD_FIELDS)
+    for key in ("containers", "initContainers"):
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            if not isinstance(container, dict):
+                raise UnreadablePod(f"spec.{key} holds {type(container).__name__} "
+                                    "where a container object belongs")
+            _drop_nulls(container, _CONTAINER_FIELDS)
+            resources = container.get("resources")
+            if isinstance(resources, dict):
+                _drop_nulls(resources, _RESOURCE_FIELDS)
+
+
+def _container_bytes(container: dict[str, Any], field_path: str, value: Any) -> int:
+    """A quantity from the pod, or UnreadablePod naming the container's field."""
+    try:
+        return quantity_bytes(value)
+    except ValueError as err:
+        raise UnreadablePod(f"container {container.get('name')!r} {field_path}: {err}; "
+                            "kvtier adds the CPU tier to it and cannot read it") from None
+
+
+def _raised(container: dict[str, Any], field_path: str, value: Any, increase: int) -> str:
+    """The quantity at field_path raised by `increase`, still a Kubernetes quantity."""
+    total = _container_bytes(container, field_path, value) + increase
+    if total > MAX_BYTES:
+        raise UnreadablePod(f"container {container.get('name')!r} {field_path}: {value!r} plus "
+                            f"the {format_bytes(increase)} kvtier adds is more than 2^63-1 "
+                            "bytes (8Ei); lower it")
+    return format_bytes(total)
 
 
 def find_container(plan: PodPlan, pod_spec: dict[str, Any]
@@ -81,19 +146,35 @@ def find_container(plan: PodPlan, pod_spec: dict[str, Any]
     return None, role, f"several containers run {what} ({listed}); set spec.containerName"
 
 
-def _memory(resources: dict[str, Any], increase: int) -> None:
+def _memory(container: dict[str, Any], increase: int) -> None:
+    resources = container.setdefault("resources", {})
     requests = resources.setdefault("requests", {})
     limits = resources.get("limits") or {}
     if "memory" in limits:
-        limits["memory"] = format_bytes(quantity_bytes(limits["memory"]) + increase)
+        limits["memory"] = _raised(container, "resources.limits.memory", limits["memory"],
+                                   increase)
     if "memory" in requests:
-        requests["memory"] = format_bytes(quantity_bytes(requests["memory"]) + increase)
+        requests["memory"] = _raised(container, "resources.requests.memory",
+                                     requests["memory"], increase)
     elif "memory" not in limits:
         # Without a limit the request would default to nothing; with one, Kubernetes
         # defaults the request to the (raised) limit.
         requests["memory"] = format_bytes(increase)
     if not requests:
         resources.pop("requests")
+
+
+def _devices(resources: dict[str, Any], wanted: Mapping[str, str]) -> None:
+    """Request and limit each extended resource the container does not ask for yet (an
+    extended resource's request must equal its limit)."""
+    for name, count in wanted.items():
+        limits = resources.get("limits") or {}
+        requests = resources.get("requests") or {}
+        have = limits.get(name, requests.get(name))
+        if have is not None:
+            continue  # the pod's own count stands
+        resources.setdefault("limits", {})[name] = count
+        resources.setdefault("requests", {})[name] = count
 
 
 def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: list[str]) -> None:
@@ -113,6 +194,41 @@ def _merge_env(container: dict[str, Any], wanted: dict[str, str], conflicts: lis
                 f"container {container.get('name')!r} sets {name}={shown}; kvtier needs "
                 f"{needed}: remove it from the pod{hint}"
             )
+
+
+def _merge_secret_env(container: dict[str, Any], wanted: tuple[SecretEnv, ...],
+                      conflicts: list[str]) -> None:
+    """Env from Secret references (never values); one the pod sets otherwise conflicts."""
+    env = container.setdefault("env", [])
+    by_name = {e.get("name"): e for e in env}
+    for ref in wanted:
+        entry = ref.entry()
+        have = by_name.get(ref.name)
+        if have is None:
+            env.append(entry)
+        elif have != entry:
+            conflicts.append(
+                f"container {container.get('name')!r} sets {ref.name} itself; kvtier takes "
+                f"it from Secret {ref.secret!r} (spec.objectStore.credentialsSecret): "
+                "remove it from the pod")
+
+
+def _ephemeral_storage(container: dict[str, Any], increase: int) -> None:
+    """Grow the ephemeral-storage request (and a limit, where one is set) by increase, so
+    the scheduler finds room and the kubelet does not evict the pod for the emptyDir. An
+    unreadable or overflowing quantity in the pod is a named conflict (UnreadablePod)."""
+    if not increase:
+        return
+    resources = container.setdefault("resources", {})
+    requests = resources.setdefault("requests", {})
+    limits = resources.get("limits") or {}
+    if "ephemeral-storage" in limits:
+        limits["ephemeral-storage"] = _raised(
+            container, "resources.limits.ephemeral-storage", limits["ephemeral-storage"],
+            increase)
+    have = requests.get("ephemeral-storage")
+    requests["ephemeral-storage"] = format_bytes(increase) if have is None else _raised(
+        container, "resources.requests.ephemeral-storage", have, increase)
 
 
 def _prepend_pythonpath(container: dict[str, Any], conflicts: list[str]) -> None:
@@ -179,7 +295,9 @@ def _shm(pod_spec: dict[str, Any], container: dict[str, Any], plan: PodPlan,
                     "/dev/shm for the CPU tier: remove that mount"
                 )
             return result.memory_increase_bytes
-        before = quantity_bytes(empty_dir["sizeLimit"]) if empty_dir.get("sizeLimit") else None
+        before = (_container_bytes(container, f"/dev/shm volume {m.get('name')!r} sizeLimit",
+                                   empty_dir["sizeLimit"])
+                  if empty_dir.get("sizeLimit") else None)
         break
     result = plan.adapter.pod_sizing(plan.tpc.spec, before, container, role)
     if result.shm_bytes is None:
@@ -214,6 +332,45 @@ def init_container(image: str, pull_policy: str) -> dict[str, Any]:
     }
 
 
+def prepare_container(plan: PodPlan) -> dict[str, Any]:
+    """The opt-in init container that prepares the tier's directory on a fresh volume
+    (spec.storage.permissions.prepareDirectory; kvtier_offload/tier_dir.py). Root, since
+    the volume's root is root's; only the capabilities to create one directory in it,
+    give it to the group and set its mode, nothing else."""
+    assert plan.prepare_command is not None and plan.mount_path is not None
+    return {
+        "name": names.PREPARE_CONTAINER,
+        "image": plan.prepare_image,
+        "imagePullPolicy": plan.image_pull_policy,
+        "command": list(plan.prepare_command),
+        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": plan.mount_path}],
+        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def _fs_group(pod_spec: dict[str, Any], group: int, conflicts: list[str]) -> None:
+    security = pod_spec.setdefault("securityContext", {})
+    have = security.get("fsGroup")
+    if have is not None and have != group:
+        conflicts.append(
+            f"the pod sets securityContext.fsGroup {have}; spec.storage.permissions.fsGroup "
+            f"is {group}: make them agree")
+        return
+    security["fsGroup"] = group
+    # Where the driver applies fsGroup, only a volume whose root is not the group's yet is
+    # walked (a shared volume may hold millions of files).
+    security.setdefault("fsGroupChangePolicy", "OnRootMismatch")
+
+
 def inject(tpc: TieredPrefixCache, pod: dict[str, Any], ctx: RenderContext,
            workload: dict[str, Any] | None = None) -> Injection:
     """inject_plan with the cache's plan (computed here: callers that inject many pods
@@ -231,6 +388,17 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
         return Injection(pod=pod, changed=False, container=None, config_hash=digest)
 
     out = copy.deepcopy(pod)
+    try:
+        return _inject_copy(plan, pod, out, digest, workload)
+    except UnreadablePod as err:
+        return Injection(pod=pod, changed=False, container=None, config_hash=digest,
+                         conflicts=[str(err)])
+
+
+def _inject_copy(plan: PodPlan, pod: dict[str, Any], out: dict[str, Any], digest: str,
+                 workload: dict[str, Any] | None) -> Injection:
+    """inject_plan's work on `out`, a copy of `pod`."""
+    _without_nulls(out)
     pod_spec = out.setdefault("spec", {})
     container, role, why = find_container(plan, pod_spec)
     if container is None:
@@ -238,6 +406,8 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
                          conflicts=[why])
     adapter = plan.adapter
     conflicts: list[str] = []
+    if plan.refusal is not None:
+        conflicts.append(plan.refusal)
     group = adapter.group_conflict(plan.tpc.spec, pod, workload)
     if group:
         conflicts.append(group)
@@ -265,7 +435,11 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
                                  "sweep before the engine and will not start it otherwise")
     _merge_env(container, plan.env(role), conflicts)
     increase = _shm(pod_spec, container, plan, role, conflicts)
-    _memory(container.setdefault("resources", {}), increase)
+    _memory(container, increase)
+    _devices(container.setdefault("resources", {}), plan.device_resources)
+    if role == PodRole.server:
+        _merge_secret_env(container, plan.secret_env, conflicts)
+        _ephemeral_storage(container, plan.ephemeral_storage_bytes)
     if plan.claim is not None and plan.mount_path is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_CACHE,
                                "persistentVolumeClaim": {"claimName": plan.claim}}, conflicts)
@@ -274,6 +448,12 @@ def inject_plan(plan: PodPlan, pod: dict[str, Any],
         _add_volume(pod_spec, extra.volume, conflicts)
         _mount(container, extra.volume["name"], extra.mount_path, conflicts,
                read_only=extra.read_only)
+    if plan.fs_group is not None:
+        _fs_group(pod_spec, plan.fs_group, conflicts)
+    if plan.prepare_command is not None:
+        inits = pod_spec.setdefault("initContainers", [])
+        if not any(c.get("name") == names.PREPARE_CONTAINER for c in inits):
+            inits.insert(0, prepare_container(plan))
     if plan.offload_image is not None:
         _add_volume(pod_spec, {"name": names.VOLUME_SITE, "emptyDir": {}}, conflicts)
         _mount(container, names.VOLUME_SITE, names.SITE_MOUNT, conflicts, read_only=True)

@@ -37,6 +37,11 @@ def check_spec(spec: TieredPrefixCacheSpec) -> None:
         raise ValueError(
             f"spec.storage: {adapter.describe()} has no shared file tier kvtier manages "
             f"({adapter.title}); remove spec.storage, or use {allowed_pairs_text(with_storage)}")
+    for field, given, able in _chained(spec):
+        if given and adapter not in able:
+            raise ValueError(
+                f"spec.{field}: {adapter.describe()} cannot chain this tier behind its own "
+                f"({adapter.title}); remove spec.{field}, or use {allowed_pairs_text(able)}")
     if spec.router.scoring == RouterScoring.precise and not adapter.publishes_kv_events:
         raise ValueError(
             f"spec.router.scoring precise: kvtier cannot make {adapter.describe()} publish "
@@ -54,6 +59,18 @@ def check_spec(spec: TieredPrefixCacheSpec) -> None:
         allowed = ", ".join(str(b) for b in adapter.storage_backends) or "none (leave it unset)"
         raise ValueError(f"spec.storage.backend {backend} is not possible with "
                          f"{adapter.describe()}; allowed: {allowed}")
+
+
+def _chained(spec: TieredPrefixCacheSpec | None = None
+             ) -> list[tuple[str, bool, list[Adapter]]]:
+    """(field, whether the spec gives it, the adapters that take it) for the tiers
+    chained behind the CPU tier."""
+    return [
+        ("localDisk", spec is not None and spec.local_disk is not None,
+         [a for a in ADAPTERS if a.takes_local_disk]),
+        ("objectStore", spec is not None and spec.object_store is not None,
+         [a for a in ADAPTERS if a.takes_object_store]),
+    ]
 
 
 def _publishers() -> list[Adapter]:
@@ -84,6 +101,12 @@ def cel_rules() -> list[dict[str, str]]:
         "message": "spec.storage: a shared file tier kvtier manages exists only with "
                    f"{allowed_pairs_text(with_storage)}; remove spec.storage",
     })
+    for field, _, able in _chained():
+        rules.append({
+            "rule": f"!has(self.{field}) || {_PAIR} in {_pairs(able)}",
+            "message": f"spec.{field}: kvtier chains this tier only with "
+                       f"{allowed_pairs_text(able)}; remove spec.{field}",
+        })
     backends = [f"'{a.engine}/{a.connector}/{b}'" for a in ADAPTERS for b in a.storage_backends]
     rules.append({
         "rule": "!has(self.storage) || !has(self.storage.backend) || "

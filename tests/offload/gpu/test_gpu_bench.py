@@ -22,15 +22,53 @@ def test_gpu_bench_says_it_skips_without_cuda(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bench_quick_subset_runs(monkeypatch, capsys):
-    pytest.importorskip("vllm")
+    """With or without vLLM (its types from tests/offload/vllm032.py): every section,
+    both shapes through B3 with fresh keys and every file written (B3/B4 of the v2
+    review crashed on the second shape and timed no writes), and rows for the report."""
     import importlib
 
     monkeypatch.setenv("KVTIER_BENCH_GPU_QUICK", "1")
     from benchmarks import gpu
 
     gpu = importlib.reload(gpu)
-    gpu.main()
+    rows = gpu.run()
     out = capsys.readouterr().out
     for section in ("B0 raw pinned DMA", "B1 vLLM", "B2 kvtier device phase",
-                    "submit_store of", "B3 GPU -> file -> GPU"):
+                    "submit_store of", "F the volume's parallel file floor",
+                    "B3 GPU -> file -> GPU"):
         assert section in out, f"{section!r} missing from:\n{out}"
+    b3 = [r for r in rows if r["section"] == "B3"]
+    assert {r["shape"] for r in b3} == set(gpu.SHAPES), "B3 stopped before its last shape"
+    assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 for r in b3)
+
+
+def test_gpu_bench_b3_runs_both_shapes_with_fresh_keys_on_cpu(monkeypatch, tmp_path, capsys):
+    """B3 on CPU tensors (the v2 review's reproduction): both shapes in one root, every
+    run writes every block of fresh keys (the run raises otherwise), the store figure
+    waits for the writes, and the scratch holds one job's files at a time."""
+    import importlib
+
+    monkeypatch.setenv("KVTIER_BENCH_GPU_QUICK", "1")
+    from benchmarks import gpu
+
+    gpu = importlib.reload(gpu)
+    gpu._use_vllm_types()
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+    def cpu_kv(layers: int, page: int, num_blocks: int):
+        return CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(
+            torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8), page)
+            for _ in range(layers)], group_data_refs=[[]])
+
+    monkeypatch.setattr(gpu, "_kv", cpu_kv)
+    monkeypatch.setattr(gpu, "RUNS", 8)  # two runs per job size: the keys must differ
+    raw = {(d, s): s / 50e9 for d in ("d2h", "h2d", "both") for s in gpu.RAW_SIZES}
+    gpu.ROWS.clear()
+    floor = gpu.file_floor(str(tmp_path), "disk")
+    gpu.end_to_end(raw, str(tmp_path), "disk", floor)
+    b3 = [r for r in gpu.ROWS if r["section"] == "B3"]
+    assert [(r["shape"], r["blocks"]) for r in b3] == [
+        (shape, blocks) for shape in gpu.SHAPES for blocks in gpu.JOB_BLOCKS]
+    assert not list(tmp_path.rglob("*.kvb")), "a run's files were left on the scratch"
+    assert gpu.scratch_bytes() >= max(r["bytes"] for r in b3)
+    assert "B3 GPU -> file -> GPU" in capsys.readouterr().out

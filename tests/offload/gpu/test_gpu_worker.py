@@ -1,7 +1,10 @@
 """On a CUDA GPU: the offload worker keeps vLLM's contract (docs/benchmarks.md says how
 to run these; /work reviews name them G1-G14). Skipped cleanly, with the reason, where
 there is no CUDA device (CI never has one); the CPU side of each contract runs in CI in
-tests/offload/test_vllm_worker.py.
+tests/offload/test_vllm_worker.py and test_vllm_worker_contract.py. Without vLLM (torch
+alone) the worker's vLLM types come from tests/offload/vllm032.py (conftest.py); `make
+gpu-check` runs these and the benchmark and writes one report. Their tmp_path should be
+on tmpfs (gpu-check sees to it): G4 and G7 time file I/O against device copies.
 
 - bit-identical GPU -> file -> GPU round trips for vLLM 0.32's layouts (one int8 tensor
   per layer, K and V in the page; the packed cross-layer tensor; strided rows) and dtypes;
@@ -9,7 +12,8 @@ tests/offload/test_vllm_worker.py.
 - G2 submit and poll return within 5 ms while the GPU is busy;
 - G3-G6 ordering against the default stream with 256 MiB+ transfers: store after write
   (RAW), load after zeroing (WAW), completion visible, overwrite after wait (WAR);
-- G7 a load does not queue behind a large store;
+- G7 a load does not queue behind a large store (stores keep at most store_device_bytes
+  of copies on the device);
 - G8 pinned memory stays within max_staging_bytes whatever the job sizes;
 - G11 a worker on cuda:1 (two GPUs or more);
 - G14 shutdown with transfers in flight.
@@ -201,9 +205,10 @@ def test_g7_a_load_does_not_wait_behind_a_large_store(tmp_path):
     while 3 not in done:
         assert time.monotonic() < deadline
         done |= {r.job_id: r.success for r in worker.get_finished()}
-    store_copied = all(p.fence is None or p.fence.query() for p in worker._copying_out)
-    assert done[3] and not store_copied, "the load waited for the store's device copy"
-    finish(worker, {2}, timeout=120)
+    # the store is reported once its last device copy has fired: still pending here
+    assert done[3] and 2 not in done, "the load waited for the store's device copy"
+    assert worker._store_rows_on_device * worker.page_total <= 128 * MiB
+    done |= finish(worker, {2} - done.keys(), timeout=120)
     worker.shutdown()
 
 
@@ -257,3 +262,14 @@ def test_g14_shutdown_with_transfers_in_flight(tmp_path):
     assert worker._store_stream.query() and worker._load_stream.query()
     torch.cuda.synchronize()
     round_trip(tmp_path / "again", "per-layer", DTYPES["bf16"], "cuda")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_round_trip_by_address_with_vllms_swap_blocks_batch(tmp_path, layout):
+    """R3/R4: pages copied by address on the copy engines (vLLM's swap_blocks_batch, one
+    call per piece); needs a CUDA build of vLLM, skipped with the torch-only stand-in."""
+    from kvtier_offload.page_copy import vllm_batch_copy
+
+    if vllm_batch_copy() is None:
+        pytest.skip("needs vLLM's CUDA ops (swap_blocks_batch)")
+    round_trip(tmp_path, layout, DTYPES["bf16"], "cuda", page_copy="addresses")

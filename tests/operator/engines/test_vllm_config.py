@@ -31,6 +31,13 @@ VARIANTS = {
                        "mooncake": {"configMapName": "mooncake-config"}},
     "kvbm": {"connector": "kvbm", "storage": None},
     "tpu": {"engine": "vllm-tpu", "storage": None, "tpu": {"pageSize": 128}},
+    # #38: the tiers chained behind the CPU tier
+    "native-local-disk": {"localDisk": {"capacity": "100Gi", "volume": {"emptyDir": {}}}},
+    "native-object-store": {"storage": None, "objectStore": {
+        "bucket": "kv-cache", "endpoint": "http://rgw:8080", "budget": "1Ti"}},
+    "native-every-tier": {"localDisk": {"capacity": "100Gi", "volume": {"emptyDir": {}}},
+                          "storage": {"backend": "vllm-fs"},
+                          "objectStore": {"bucket": "kv-cache", "budget": "1Ti"}},
 }
 
 
@@ -62,7 +69,9 @@ def test_vllm_cli_rejects_broken_json(parser):
 
 @pytest.mark.parametrize(("variant", "expected"), [
     ("native-cpu", "CPUOffloadingSpec"), ("native-vllm-fs", "TieringOffloadingSpec"),
-    ("native-kvtier", "TieringOffloadingSpec"), ("native-gpu-direct", "KvtierOffloadingSpec")])
+    ("native-kvtier", "TieringOffloadingSpec"), ("native-gpu-direct", "KvtierOffloadingSpec"),
+    ("native-local-disk", "TieringOffloadingSpec"), ("native-object-store", "TieringOffloadingSpec"),
+    ("native-every-tier", "TieringOffloadingSpec")])
 def test_vllm_offloading_spec_resolves_spec_and_tiers(variant, expected):
     """vLLM's factory picks the spec class and, for tiering, resolves every tier class."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory

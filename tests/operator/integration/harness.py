@@ -21,8 +21,10 @@ __all__ = ["CTX", "TPC", "condition", "gateway_for", "obj", "operator", "reconci
 CTX = RenderContext(offload_image="reg/kvtier-offload:test", evictor_image="reg/kvtier:test")
 
 
-def operator(kmock: Any, drift_interval: float = 3600.0, retry_delay: float = 0.2):
-    return sandbox.operator(kmock, CTX, drift_interval=drift_interval, retry_delay=retry_delay)
+def operator(kmock: Any, drift_interval: float = 3600.0, retry_delay: float = 0.2,
+             namespaces: list[str] | None = None):
+    return sandbox.operator(kmock, CTX, drift_interval=drift_interval, retry_delay=retry_delay,
+                            namespaces=namespaces)
 
 
 obj = sandbox.stored

@@ -54,6 +54,16 @@ def test_make_demo_runs_the_whole_system(tmp_path):
     ("mooncake-store.yaml", ["MOONCAKE_CONFIG_PATH",
                              "prerequisite ConfigMap llm-d/mooncake-store-config",
                              "Ready=True (Ready), 1 pod(s) injected"]),
+    ("mooncake-offload.yaml", ["prerequisite DaemonSet mooncake/mooncake-client",
+                               '"load_async":true', "rdma/ib: '1'",
+                               "Ready=True (Ready), 1 pod(s) injected"]),
+    # #38: the local disk's per-pod claim and the object store's CronJob and Secret refs
+    ("native-local-disk.yaml", ['"type":"KvtierLocalTier"', "+    ephemeral:",
+                                "+          storageClassName: topolvm-provisioner",
+                                "1 pod(s) injected"]),
+    ("native-object-store.yaml", ['"type":"KvtierObjectTier"', "name: qwen3-object-store-objects",
+                                  "- evict-objects", "+        secretKeyRef:",
+                                  "Ready=True (Ready), 1 pod(s) injected"]),
 ])
 def test_make_demo_shows_any_example(tmp_path, example, needles):
     """`make demo EXAMPLE=examples/...`: the operator and webhook for that engine."""

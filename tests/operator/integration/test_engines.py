@@ -96,3 +96,37 @@ async def test_mooncake_prerequisites_are_reported_until_they_exist(kmock):
                             what="prerequisites found")
     assert found["reason"] == "Found"
     assert obj(kmock, "batch/v1/cronjobs", NS, f"{cr}-evictor") is None
+
+
+async def test_mooncake_ssd_variant_needs_its_client_and_a_standalone_config(kmock):
+    # The SSD variant (spec.mooncake.offload): the client DaemonSet is a prerequisite, and
+    # a ConfigMap in embedded mode is named as wrong until it says standalone-store.
+    setup(kmock)
+    doc = seed(kmock, "mooncake-offload.yaml")
+    cr = doc["metadata"]["name"]
+    kmock.objects["v1/services", "mooncake", "mooncake-master-store"] = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "mooncake-master-store", "namespace": "mooncake"},
+        "spec": {"ports": [{"port": 50051}]}}
+    config = example("mooncake-offload-config.yaml")
+    embedded = example("mooncake-config.yaml")["data"]["mooncake_config.json"]
+    kmock.objects["v1/configmaps", NS, "mooncake-offload-config"] = {
+        **config, "data": {"mooncake_config.json": embedded}}
+
+    def prerequisites():
+        return condition(obj(kmock, TPC, NS, cr), "PrerequisitesReady")
+
+    async with operator(kmock, drift_interval=0.2):
+        missing = await until(lambda: (c := prerequisites()) and c["status"] == "False" and c,
+                              what="missing prerequisites")
+        assert "DaemonSet mooncake/mooncake-client (spec.mooncake.offload.clientDaemonSet) " \
+            "does not exist" in missing["message"]
+        assert "spec.mooncake.offload needs mode standalone-store" in missing["message"]
+        kmock.objects["v1/configmaps", NS, "mooncake-offload-config"] = config
+        kmock.objects["apps/v1/daemonsets", "mooncake", "mooncake-client"] = {
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "mooncake-client", "namespace": "mooncake"},
+            "spec": {"selector": {"matchLabels": {"app": "mooncake-client"}}}}
+        found = await until(lambda: (c := prerequisites()) and c["status"] == "True" and c,
+                            what="prerequisites found")
+    assert found["message"] == "3 prerequisite object(s) exist"

@@ -207,11 +207,14 @@ async def test_missing_existing_claim_is_reported(kmock):
     assert cond["reason"] == "ClaimNotFound" and "nope" in cond["message"]
 
 
-def _pod(name, labels, annotations=None, phase="Running"):
+VLLM = {"name": "vllm", "image": "x", "command": ["vllm", "serve", "m"]}
+
+
+def _pod(name, labels, annotations=None, phase="Running", container=VLLM):
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": labels,
                          "annotations": annotations or {}},
-            "spec": {"containers": [{"name": "vllm", "image": "x"}]}, "status": {"phase": phase}}
+            "spec": {"containers": [container]}, "status": {"phase": phase}}
 
 
 async def test_injected_and_pending_pods_are_counted(kmock):
@@ -225,7 +228,9 @@ async def test_injected_and_pending_pods_are_counted(kmock):
     pods = [_pod("a", decode, current), _pod("b", decode, current), _pod("c", decode, stale),
             _pod("d", decode), _pod("e", {"llm-d.ai/role": "prefill"}),
             _pod("f", {**decode, names.LABEL_OPT_OUT: "false"}),
-            _pod("g", decode, current, phase="Succeeded")]
+            _pod("g", decode, current, phase="Succeeded"),
+            # selected, but no engine runs in it (audit v2 N2): not the cache's to count
+            _pod("h", decode, container={"name": "db", "image": "postgres:16"})]
     for p in pods:
         kmock.objects["v1/pods", NS, p["metadata"]["name"]] = p
     async with operator(kmock):

@@ -22,6 +22,10 @@ from tests.operator.integration.harness import (
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"
 DECODE = {"llm-d.ai/role": "decode"}
+# The workload owner's opt-in to the cache's restarts, on the pod template and so the pods.
+OPTED_IN = {**DECODE, names.LABEL_CACHE: "cache"}
+VLLM = [{"name": "vllm", "image": "x", "command": ["vllm", "serve", "m"]}]
+POSTGRES = [{"name": "db", "image": "postgres:16"}]
 
 
 def doc(rollout):
@@ -30,25 +34,25 @@ def doc(rollout):
     return d
 
 
-def workload(kind, name, replicas=1):
+def workload(kind, name, replicas=1, labels=OPTED_IN, containers=VLLM):
     return {"apiVersion": "apps/v1", "kind": kind,
             "metadata": {"name": name, "namespace": NS, "generation": 1},
             "spec": {"replicas": replicas, "selector": {"matchLabels": DECODE},
-                     "template": {"metadata": {"labels": DECODE},
-                                  "spec": {"containers": [{"name": "vllm", "image": "x"}]}}},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": {"containers": containers}}},
             "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": replicas,
                        "updatedReplicas": replicas, "currentRevision": "r1",
                        "updateRevision": "r1"}}
 
 
-def pod(name, owner_kind, owner_name, annotations=None):
+def pod(name, owner_kind, owner_name, annotations=None, labels=OPTED_IN, containers=VLLM):
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": DECODE,
+            "metadata": {"name": name, "namespace": NS, "labels": labels,
                          "annotations": annotations or {},
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": owner_kind,
                                               "name": owner_name, "uid": f"{owner_name}-uid",
                                               "controller": True}]},
-            "spec": {"containers": [{"name": "vllm", "image": "x"}]},
+            "spec": {"containers": containers},
             "status": {"phase": "Running"}}
 
 
@@ -165,3 +169,71 @@ async def test_a_deletion_the_watch_missed_does_not_hold_the_rollout(kmock):
         await until(lambda: condition(obj(kmock, TPC, NS, "cache"), "Injected")["reason"]
                     == "AllInjected", what="all injected")
     assert obj(kmock, TPC, NS, "cache")["status"]["pendingPods"] == 0
+
+
+def add_deployment(kmock, name, labels, containers):
+    """A Deployment with one ReplicaSet and one running pod, none of it injected."""
+    kmock.objects["apps/v1/deployments", NS, name] = workload(
+        "Deployment", name, labels=labels, containers=containers)
+    kmock.objects["apps/v1/replicasets", NS, f"{name}-5d8f"] = {
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": f"{name}-5d8f", "namespace": NS,
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "name": name, "uid": f"{name}-uid",
+                                          "controller": True}]},
+        "spec": {"selector": {"matchLabels": DECODE}}}
+    kmock.objects["v1/pods", NS, f"{name}-5d8f-0"] = pod(
+        f"{name}-5d8f-0", "ReplicaSet", f"{name}-5d8f", labels=labels, containers=containers)
+
+
+async def test_auto_restarts_only_engine_workloads_whose_owner_opted_in(kmock):
+    """Audit v2 N2: a cache author selecting a postgres Deployment, or a vLLM Deployment
+    whose owner did not add the label, restarts neither; the postgres pod is not even
+    counted, and the status names the label the vLLM workload's owner must add."""
+    seed_world(kmock, "Auto")
+    for name in ("beta",):
+        del kmock.objects["apps/v1/deployments", NS, name]
+        del kmock.objects["v1/pods", NS, f"{name}-5d8f-0"]
+    del kmock.objects["leaderworkerset.x-k8s.io/v1/leaderworkersets", NS, "gamma"]
+    del kmock.objects["v1/pods", NS, "gamma-0-0"]
+    add_deployment(kmock, "db", OPTED_IN, POSTGRES)  # selected and labelled: no engine
+    add_deployment(kmock, "legacy", DECODE, VLLM)  # an engine, but no opt-in
+    # A pod labelled by hand, whose workload's template is not: still not restarted.
+    add_deployment(kmock, "relabelled", DECODE, VLLM)
+    kmock.objects["v1/pods", NS, "relabelled-5d8f-0"] = pod(
+        "relabelled-5d8f-0", "ReplicaSet", "relabelled-5d8f", labels=OPTED_IN)
+    digest = config_hash(parse_tpc(doc("Auto")), CTX)
+    deploy = "apps/v1/deployments"
+    async with operator(kmock, drift_interval=0.2):
+        await until(lambda: restarted(kmock, deploy, "alpha") == digest, what="alpha restarted")
+        await finish(kmock, "alpha-5d8f-0", digest)
+        status = await until(lambda: (s := obj(kmock, TPC, NS, "cache")["status"])
+                             and s.get("injectedPods") == 1 and s, what="alpha injected")
+        await reconciles(kmock)
+        cond = condition(obj(kmock, TPC, NS, "cache"), "Injected")
+    assert cond["reason"] == "RollingOut", cond  # the hand-labelled pod's workload
+    assert "Deployment relabelled" in cond["message"] and "are not restarted" in cond["message"]
+    assert f"1 more lack the opt-in label {names.LABEL_CACHE}: cache" in cond["message"]
+    for name in ("db", "legacy", "relabelled"):
+        assert restarted(kmock, deploy, name) is None, name
+    assert status["pendingPods"] == 2  # legacy and relabelled; db runs no engine
+
+
+async def test_the_status_names_the_label_to_add(kmock):
+    """The upgrade path: workloads from before the opt-in label are named, with the fix."""
+    seed_world(kmock, "Auto")
+    for name in ("alpha", "beta"):
+        kmock.objects["apps/v1/deployments", NS, name] = workload("Deployment", name,
+                                                                  labels=DECODE)
+        kmock.objects["v1/pods", NS, f"{name}-5d8f-0"] = pod(
+            f"{name}-5d8f-0", "ReplicaSet", f"{name}-5d8f", labels=DECODE)
+    del kmock.objects["leaderworkerset.x-k8s.io/v1/leaderworkersets", NS, "gamma"]
+    del kmock.objects["v1/pods", NS, "gamma-0-0"]
+    async with operator(kmock, drift_interval=0.2):
+        cond = await until(lambda: (c := condition(obj(kmock, TPC, NS, "cache"), "Injected"))
+                           and c["reason"] == "RolloutNotOptedIn" and c, what="opt-in named")
+        await reconciles(kmock)
+    assert f"label {names.LABEL_CACHE}: cache" in cond["message"]
+    assert "alpha-5d8f-0" in cond["message"] and "beta-5d8f-0" in cond["message"]
+    for name in ("alpha", "beta"):
+        assert restarted(kmock, "apps/v1/deployments", name) is None

@@ -153,8 +153,10 @@ def test_cel_rules_exist_for_cross_field_checks():
     # name and its new one not both given (storage, tpu); precise router scoring only
     # where the engine publishes KV events; engineVersion only with a version table, not
     # below its oldest, not below a field's feature (syncLoadBudget: 0.33); syncLoadBudget
-    # only with connector native, and not with several KV cache groups
-    assert len(cross_field) == 26
+    # only with connector native, and not with several KV cache groups; localDisk and
+    # objectStore only behind a CPU tier and only with the adapters that chain them,
+    # exactly one local-disk volume source, peerSharing refused
+    assert len(cross_field) == 31
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
@@ -162,7 +164,20 @@ def test_cel_rules_exist_for_cross_field_checks():
                            "spec.router.configMapName", "spec.mooncake.configMapName",
                            "spec.router.evictionEventsEndpoint",
                            "spec.mooncake.configKey", "spec.mooncake.masterService.name",
-                           "spec.mooncake.masterService.namespace"}
+                           "spec.mooncake.masterService.namespace",
+                           "spec.mooncake.rdmaResource",
+                           "spec.mooncake.offload.clientDaemonSet.name",
+                           "spec.mooncake.offload.clientDaemonSet.namespace",
+                           "spec.mooncake.offload.rootDir",
+                           "spec.localDisk.mountPath", "spec.localDisk.volume.hostPath.path",
+                           "spec.localDisk.volume.ephemeral.storageClassName",
+                           "spec.objectStore.bucket", "spec.objectStore.prefix",
+                           "spec.objectStore.endpoint", "spec.objectStore.region",
+                           "spec.objectStore.evictionSchedule",
+                           "spec.objectStore.credentialsSecret.name",
+                           "spec.objectStore.credentialsSecret.accessKeyIdKey",
+                           "spec.objectStore.credentialsSecret.secretAccessKeyKey",
+                           "spec.objectStore.credentialsSecret.sessionTokenKey"}
 
 
 @pytest.mark.slow
@@ -182,7 +197,11 @@ def test_cel_rules_accept_the_examples():
         ({"storage": {"mountPath": "relative"}}, "must be an absolute, normalised path"),
         ({"storage": {"mountPath": "//etc"}}, "must be an absolute, normalised path"),
         ({"storage": {"mountPath": "/etc"}}, "would shadow what the model server's image keeps"),
-        ({"selector": {"matchLabels": None}}, "must select something"),
+        ({"selector": {"matchLabels": None}}, "at least one label value"),
+        *[({"selector": {"matchLabels": None, "matchExpressions": [term]}},
+           "at least one label value") for term in (
+            {"key": "zzz", "operator": "DoesNotExist"}, {"key": "app", "operator": "Exists"},
+            {"key": "app", "operator": "NotIn", "values": ["postgres"]})],
         ({"model": {"kvBytesPerToken": None, "layers": 4}}, "needs kvBytesPerToken, or all"),
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
         ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec.cpu is required unless"),

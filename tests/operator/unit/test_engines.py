@@ -243,9 +243,12 @@ def test_mooncake_store_mounts_its_configmap_and_names_prerequisites():
     assert volume["configMap"]["name"] == "mooncake-store-config"
     assert {"name": "kvtier-mooncake-config", "mountPath": "/etc/kvtier/mooncake",
             "readOnly": True} in c["volumeMounts"]
-    # 80 GB lent to the store, on top of the pod's own request; /dev/shm untouched.
+    # 84 GiB lent to the store (segment and local buffer, as vLLM reads "80GB" and "4GB"),
+    # on top of the pod's own request; /dev/shm untouched.
     assert quantity_bytes(c["resources"]["requests"]["memory"]) == 100 * 1024**3 + \
-        -(-(80 * 10**9 + PROCESS_HEADROOM_BYTES) // MIB) * MIB
+        84 * 1024**3 + PROCESS_HEADROOM_BYTES
+    # protocol rdma: one RDMA device, requested and limited.
+    assert c["resources"]["requests"]["rdma/ib"] == c["resources"]["limits"]["rdma/ib"] == "1"
     assert next(v for v in spec["volumes"] if v["name"] == "shm")["emptyDir"][
         "sizeLimit"] == "20Gi"
     assert "initContainers" not in spec
@@ -254,6 +257,77 @@ def test_mooncake_store_mounts_its_configmap_and_names_prerequisites():
         ("ConfigMap", "llm-d", "mooncake-store-config", "spec.mooncake.configMapName"),
         ("Service", "mooncake", "mooncake-master-store", "spec.mooncake.masterService")]
     assert [o["kind"] for o in render_objects(tpc, CTX)] == ["ConfigMap"]  # router only
+    config = example("mooncake-config.yaml")["data"]["mooncake_config.json"]
+    assert needs[0].check is not None and needs[0].check(config) == []
+
+
+def test_mooncake_offload_loads_async_mounts_the_root_dir_and_needs_the_client():
+    tpc = parse_tpc(example("mooncake-offload.yaml"))
+    out, conflicts = inject_workload(tpc, example("vllm-deployment.yaml"), CTX)
+    assert conflicts == []
+    spec = out["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert json.loads(env_of(c)[names.ENV_KV_TRANSFER_CONFIG]) == {
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"load_async": True}}
+    assert {"name": "kvtier-mooncake-offload", "mountPath": "/data/mooncake-offload"} in \
+        c["volumeMounts"]
+    assert {"name": "kvtier-mooncake-offload", "emptyDir": {}} in spec["volumes"]
+    needs = adapter_for(tpc.spec).prerequisites(tpc)
+    assert ("DaemonSet", "mooncake", "mooncake-client",
+            "spec.mooncake.offload.clientDaemonSet") in [
+        (p.kind, p.namespace, p.name, p.field) for p in needs]
+    check = needs[0].check
+    assert check is not None
+    assert check(example("mooncake-offload-config.yaml")["data"]["mooncake_config.json"]) == []
+    # The embedded config of the other example is refused here, naming what to change.
+    (problem,) = [p for p in check(example("mooncake-config.yaml")["data"][
+        "mooncake_config.json"]) if "offload" in p]
+    assert "standalone-store" in problem and "global_segment_size 0" in problem
+
+
+@pytest.mark.parametrize(("config", "spec", "wanted"), [
+    # vLLM reads GB as GiB: an 80 GB segment and a 4 GB buffer need 84Gi, not 84G.
+    ('{"global_segment_size": "80GB", "local_buffer_size": "4GB"}', {"cpu": {"size": "84G"}},
+     "more than spec.cpu.size"),
+    ('{"global_segment_size": "80GB", "local_buffer_size": "4GB"}', {"cpu": {"size": "84Gi"}},
+     None),
+    ('{"protocol": "tcp"}', {}, "its protocol is 'tcp' but spec.mooncake.protocol is rdma"),
+    ('{}', {"mooncake": {"configMapName": "m", "protocol": "tcp"}}, "its protocol is 'rdma'"),
+    ('{"mode": "standalone-store", "global_segment_size": 0}', {},
+     "set spec.mooncake.offload"),
+    ('{"global_segment_size": "eighty"}', {}, "cannot read it as Mooncake's client config"),
+    ('[1]', {}, "not a JSON object"),
+    ('{"x": "' + "a" * 70000 + '"}', {}, "not a client config"),
+])
+def test_mooncake_client_config_is_checked_against_the_spec(config, spec, wanted):
+    tpc = parse_tpc(tpc_doc({**MOONCAKE, **spec}))
+    check = adapter_for(tpc.spec).prerequisites(tpc)[0].check
+    assert check is not None
+    found = check(config)
+    if wanted is None:
+        assert found == []
+    else:
+        assert any(wanted in p for p in found), found
+
+
+def test_mooncake_tcp_asks_for_no_rdma_device_and_a_pod_keeps_its_own_count():
+    tcp = parse_tpc(tpc_doc({**MOONCAKE, "mooncake": {"configMapName": "m",
+                                                      "protocol": "tcp"}}))
+    out, _ = inject_workload(tcp, example("vllm-deployment.yaml"), CTX)
+    resources = out["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert "rdma/ib" not in resources["limits"] and "rdma/ib" not in resources["requests"]
+    rdma = parse_tpc(tpc_doc({**MOONCAKE, "mooncake": {
+        "configMapName": "m", "rdmaResource": "rdma/hca_shared_devices_a"}}))
+    workload = example("vllm-deployment.yaml")
+    own = workload["spec"]["template"]["spec"]["containers"][0]["resources"]
+    own["limits"]["rdma/hca_shared_devices_a"] = own["requests"][
+        "rdma/hca_shared_devices_a"] = "2"
+    out, conflicts = inject_workload(rdma, workload, CTX)
+    assert conflicts == []
+    resources = out["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["rdma/hca_shared_devices_a"] == "2"
+    assert "rdma/ib" not in resources["limits"]
 
 
 def test_kvbm_sets_its_cpu_cache_in_whole_gb_and_pins_it():

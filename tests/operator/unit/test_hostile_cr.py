@@ -74,6 +74,15 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     *[(f"expression key {v!r}", spec({"selector": {"matchExpressions": [
         {"key": v, "operator": "Exists"}]}}), "spec.selector.matchExpressions[0].key")
       for v in ["bad key!", "Example.com/x", "/x", "a/b/c", ""]],
+    # N6: near match-all selectors are refused like {}
+    *[(f"match-all selector {term['operator']}",
+       spec({"selector": {"matchLabels": None, "matchExpressions": [term]}}), "spec.selector")
+      for term in ({"key": "zzz", "operator": "DoesNotExist"},
+                   {"key": "app", "operator": "Exists"},
+                   {"key": "app", "operator": "NotIn", "values": ["postgres"]})],
+    ("match-all selector, several terms", spec({"selector": {"matchLabels": None,
+     "matchExpressions": [{"key": "a", "operator": "Exists"},
+                          {"key": "b", "operator": "DoesNotExist"}]}}), "spec.selector"),
     ("expression value", spec({"selector": {"matchExpressions": [
         {"key": "role", "operator": "In", "values": ["ok", "-x"]}]}}),
      "spec.selector.matchExpressions[0].values[1]"),

@@ -69,9 +69,9 @@ def test_base_is_valid_and_defaults_apply():
         ({"storage": {"mountPath": "/sys/x"}}, "spec.storage.mountPath", "/sys"),
         ({"storage": {"blockSize": 100}}, "spec.storage.blockSize", "multiple of 16"),
         ({"storage": {"blockSize": 0}}, "spec.storage.blockSize", "greater than or equal to 16"),
-        ({"selector": {"matchLabels": None}}, "spec.selector", "selector is empty"),
+        ({"selector": {"matchLabels": None}}, "spec.selector", "at least one label value"),
         ({"selector": {"matchLabels": None, "matchExpressions": []}}, "spec.selector",
-         "selector is empty"),
+         "at least one label value"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}},
          "spec.selector.matchExpressions[0]", "needs at least one value"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]}},
@@ -187,4 +187,4 @@ def test_selector_query_in_the_api_syntax():
 def test_selector_with_empty_match_labels_is_refused():
     doc = tpc_doc()
     doc["spec"]["selector"] = {"matchLabels": {}}
-    assert "selector is empty" in messages(doc)
+    assert "at least one label value" in messages(doc)

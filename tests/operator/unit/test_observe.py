@@ -171,11 +171,14 @@ def test_reconcile_writes_the_observed_tiers_and_posts_advice_on_change():
     assert again.advice_events == []
 
 
-CONFIG_INFO_033 = PAGES / "vllm-0.33-config-info.txt"
+# vLLM 0.33 under TieringOffloadingSpec (its CPU-tier worker moving no data) with kvtier's
+# storage tier as rendered: vllm:kv_offload_config_info has one series per tier.
+TIERED_033 = "vllm-0.33-cpu-storage-t-hit.txt"
+CPU_BYTES_033, CPU_TOKENS_033 = 1 << 30, 524288  # tests/e2e/observe_server.CPU_TIER_BYTES
 
 
 def test_a_cache_whose_pods_export_their_cpu_capacity_gives_it_to_the_renderers():
-    samples = page(CONFIG_INFO_033.name)
+    samples = page(TIERED_033)
     obs = observation(samples, samples, offloaded=("cpu", "storage"))
     doc = body({"router": {"enabled": True}})
     out = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=obs, observing=True)
@@ -184,9 +187,9 @@ def test_a_cache_whose_pods_export_their_cpu_capacity_gives_it_to_the_renderers(
 
     block = adapter_for(tpc.spec).router_block_size(tpc.spec)
     assert out.render_context is not None
-    assert out.render_context.observed_cpu_blocks == 1310720 // block
+    assert out.render_context.observed_cpu_blocks == CPU_TOKENS_033 // block
     cpu = next(t for t in out.status.tiers if t.name == "cpu")
-    assert cpu.capacity_bytes == 2684354560 and cpu.capacity_tokens == 1310720
+    assert cpu.capacity_bytes == CPU_BYTES_033 and cpu.capacity_tokens == CPU_TOKENS_033
     capacity = out.status.router_capacity
     assert capacity is not None
     # the router's CPU LRU is the engine's own number, and status says so
@@ -302,3 +305,60 @@ def test_the_cpu_tier_s_figures_on_pages_of_vllm_s_own_cpu_tier():
     assert by["cpu"].used_percent is not None  # vllm:kv_offload_cpu_cache_usage_perc
     assert by["cpu"].capacity_bytes is None and "0.33 does" in by["cpu"].unobserved
     assert out.cpu_capacity_tokens is None  # 0.32: the router keeps its computed figure
+
+
+def test_the_cpu_tier_s_capacity_on_pages_of_vllm_0_33_s_own_cpu_tier():
+    """0.33's CPU tier alone (CPUOffloadingSpec, no tier label) and under
+    TieringOffloadingSpec (a series per tier, the storage tier's cpu_* empty, in either
+    order): the capacity is the CPU tier's series."""
+    from kvtier_operator.engines.vllm.metrics import CONFIG_INFO, cpu_capacity
+
+    alone = page("vllm-0.33-cpu-tier-c-hit.txt")
+    (labels, _), = alone[CONFIG_INFO]
+    assert "tier" not in labels
+    assert cpu_capacity(alone) == (CPU_BYTES_033, CPU_TOKENS_033, 16384)  # 1 block a chunk
+    tiered = page(TIERED_033)
+    assert {labels["tier"] for labels, _ in tiered[CONFIG_INFO]} == {
+        "0:primary", "1:KvtierStorageTier"}
+    assert cpu_capacity(tiered) == (CPU_BYTES_033, CPU_TOKENS_033, 8192 * 2)  # 64-token chunks
+    flipped = {**tiered, CONFIG_INFO: list(reversed(tiered[CONFIG_INFO]))}
+    assert cpu_capacity(flipped) == cpu_capacity(tiered)
+    tpc = parse_tpc(body({"storage": None}))
+    obs = observation(page("vllm-0.33-cpu-tier-c-idle.txt"), alone, offloaded=("cpu",))
+    out = observed_tiers(tpc, ("cpu",), obs, None, enabled=True)
+    by = {t.name: t for t in out.tiers}
+    assert by["cpu"].hit_tokens == 192 and by["cpu"].hit_percent == 48.0
+    assert by["cpu"].capacity_bytes == CPU_BYTES_033 and by["cpu"].used_percent is not None
+    assert out.cpu_capacity_tokens == CPU_TOKENS_033
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_kvtier_s_tier_under_vllm_s_tiering_reports_through_vllm_s_stats(version):
+    """kvtier's storage tier behind vLLM's CPU tier: its kvtier_offload_* counters come
+    through vLLM's stats channel to /metrics; the CPU tier served the repeat."""
+    tpc = parse_tpc(body())
+    obs = observation(page(f"vllm-{version}-cpu-storage-t-idle.txt"),
+                      page(f"vllm-{version}-cpu-storage-t-hit.txt"),
+                      offloaded=("cpu", "storage"))
+    out = observed_tiers(tpc, ("cpu", "storage"), obs, None, enabled=True)
+    by = {t.name: t for t in out.tiers}
+    assert list(by) == ["gpu", "cpu", "storage"]
+    assert by["cpu"].hit_tokens == 192 and out.recompute.percent == 52.0
+    assert by["storage"].bytes_stored == 3 * 64 * 2048  # three 64-token chunks stored
+    assert by["storage"].failed_loads == 0  # observed: kvtier's counters are on the page
+    # the CPU tier's size: 0.33 exports it, 0.32 does not (and says so)
+    assert (by["cpu"].capacity_bytes == CPU_BYTES_033) == (version == "0.33")
+    assert (out.cpu_capacity_tokens is None) == (version == "0.32")
+
+
+def test_a_block_file_refused_on_load_is_a_failed_load():
+    """kvtier counts a damaged or foreign block file in kvtier_offload_corrupt_files by
+    reason, not as a load outcome; it failed all the same (vLLM recomputed it)."""
+    text = (PAGES / TIERED_033).read_text() + (
+        'kvtier_offload_operations_total{direction="load",engine="0",model_name="tiny",'
+        'outcome="ok"} 5.0\n'
+        'kvtier_offload_corrupt_files_total{engine="0",model_name="tiny",'
+        'reason="bad-checksum"} 1.0\n')
+    f = read(parse(text, 20000).samples, ("cpu", "storage"))
+    assert f.counters[("failed_loads", "storage")] == 1
+    assert f.counters[("loads", "storage")] == 6

@@ -20,7 +20,7 @@ from kvtier_operator.gateway import (
     contains,
     controlled_by,
 )
-from kvtier_operator.observe import pod_view
+from kvtier_operator.observe import pod_view as bare_pod_view
 from kvtier_operator.reconcile import reconcile
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.status import Cond, conditions
@@ -299,12 +299,22 @@ def test_pod_view_reads_what_counting_needs():
     assert view.config_hash == "h" and view.owner_kind == "ReplicaSet" and not view.active
 
 
+def pod_view(body):
+    """The view the operator's pod index keeps: with the engines its containers run."""
+    from dataclasses import replace
+
+    from kvtier_operator.engines.registry import engines_in
+
+    return replace(bare_pod_view(body), engines=engines_in(body.get("spec")))
+
+
 def decode_pod(name, uid, config_hash=None):
     annotations = {"kvtier.dev/cache": "cache", "kvtier.dev/config-hash": config_hash} \
         if config_hash else {}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "ml", "uid": uid,
                          "labels": {"llm-d.ai/role": "decode"}, "annotations": annotations},
+            "spec": {"containers": [{"name": "vllm", "command": ["vllm", "serve", "m"]}]},
             "status": {"phase": "Running"}}
 
 

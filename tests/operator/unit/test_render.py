@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvtier_operator import names
-from kvtier_operator.api.quantity import GIB
+from kvtier_operator.api.quantity import GIB, quantity_bytes
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.engines.vllm import sizing
@@ -27,7 +27,7 @@ from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import config_hash, inject, inject_workload
 from kvtier_operator.render.pvc import render_pvc
 from kvtier_operator.render.router import endpoint_picker_config, render_router_configmap
-from kvtier_operator.validation import deprecations, parse_tpc
+from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
 from tests.helpers import example, tpc_doc, vllm_pod
 
 CTX = RenderContext(offload_image="reg/kvtier-offload:1", evictor_image="reg/kvtier:1")
@@ -114,7 +114,25 @@ def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes()
             "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES},
     }
     assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
-    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed)}
+    assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed),
+                                "PROMETHEUS_MULTIPROC_DIR": names.METRICS_MOUNT}
+
+
+def test_no_cpu_tier_gives_the_workers_metrics_a_multiprocess_directory_of_the_pods_own():
+    """kvtier's stores run in vLLM's worker processes in this mode: PROMETHEUS_MULTIPROC_DIR
+    on a writable emptyDir of the pod is what brings their metrics to /metrics (#32)."""
+    pod = inject(tpc({"cpu": None}), vllm_pod(), CTX).pod
+    c = pod["spec"]["containers"][0]
+    assert env_of(c)["PROMETHEUS_MULTIPROC_DIR"] == names.METRICS_MOUNT
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[names.VOLUME_METRICS] == {
+        "name": names.VOLUME_METRICS, "emptyDir": {"sizeLimit": names.METRICS_SIZE_LIMIT}}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == names.VOLUME_METRICS)
+    assert mount["mountPath"] == names.METRICS_MOUNT and not mount.get("readOnly")
+    # with vLLM's own CPU tier the tier's metrics travel with vLLM's stats: nothing added
+    tiered = inject(tpc(), vllm_pod(), CTX).pod
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env_of(tiered["spec"]["containers"][0])
+    assert names.VOLUME_METRICS not in {v["name"] for v in tiered["spec"]["volumes"]}
 
 
 def test_lmcache_cpu():
@@ -124,7 +142,13 @@ def test_lmcache_cpu():
     assert env["LMCACHE_LOCAL_CPU"] == "True"
     # LMCache reads GiB: 200 GB (decimal) is 186.264 GiB, floored so it never exceeds it
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "186.264"
-    assert "LMCACHE_LOCAL_DISK" not in env
+    assert "LMCACHE_LOCAL_DISK" not in env and "LMCACHE_EXTRA_CONFIG" not in env
+    # LMCache's metrics across processes, in an emptyDir of the pod (llm-d's guide).
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/lmcache_prometheus"
+    out = inject(t, vllm_pod(), RenderContext()).pod
+    assert {"name": "kvtier-lmcache-prometheus", "emptyDir": {}} in out["spec"]["volumes"]
+    assert {"name": "kvtier-lmcache-prometheus", "mountPath": "/tmp/lmcache_prometheus"} in \
+        out["spec"]["containers"][0]["volumeMounts"]
 
 
 def test_lmcache_cpu_plus_disk():
@@ -133,10 +157,43 @@ def test_lmcache_cpu_plus_disk():
     assert env["LMCACHE_LOCAL_DISK"] == "file:///mnt/files-storage/lmcache/"
     assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "791.624"  # 1000G x highWatermark 85%, GiB
     assert env["LMCACHE_CHUNK_SIZE"] == "256"
+    # O_DIRECT on by default, as in llm-d's guide; a JSON boolean (LMCache tests it for
+    # truth, so the string "False" would turn it on).
+    assert json.loads(env["LMCACHE_EXTRA_CONFIG"]) == {"use_odirect": True}
+    buffered = tpc({"connector": "lmcache", "storage": {"pvc": {"size": "1000G"},
+                                                        "directIO": False}})
+    assert json.loads(connector_env(buffered)["LMCACHE_EXTRA_CONFIG"]) == {"use_odirect": False}
     capped = tpc({"connector": "lmcache", "storage": {"maxSizePerReplica": "500G"}})
     assert connector_env(capped)["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "465.661"
     gib = tpc({"connector": "lmcache", "storage": None, "cpu": {"size": "100Gi"}})
     assert connector_env(gib)["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "100.0"
+
+
+@pytest.mark.parametrize("spec", [{}, {"engine": "sglang", "sglang": {}}])
+def test_direct_io_is_lmcaches_only(spec):
+    with pytest.raises(InvalidResource, match=r"storage\.directIO"):
+        tpc({**spec, "storage": {"pvc": {"size": "1Ti"}, "directIO": True}})
+
+
+@pytest.mark.parametrize(("requests", "limits"), [("100Gi", "200Gi"), ("100Gi", None),
+                                                 (None, "200Gi")])
+def test_lmcache_pool_lands_on_the_memory_request(requests, limits):
+    # LMCache pins its whole CPU pool when it starts: the request (what the scheduler
+    # reserves and what node-pressure eviction compares usage with) must grow by all of it,
+    # whatever gap the pod leaves to its limit; kvtier does not force request == limit
+    # (docs/sizing.md).
+    t = tpc({"connector": "lmcache", "storage": None, "cpu": {"size": "100Gi"}})
+    resources = {k: {"memory": v} for k, v in (("requests", requests), ("limits", limits)) if v}
+    out = inject(t, vllm_pod(resources=resources), RenderContext()).pod
+    got = out["spec"]["containers"][0]["resources"]
+    pool = int(float(connector_env(t)["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * GIB)
+    if requests:
+        assert quantity_bytes(got["requests"]["memory"]) >= quantity_bytes(requests) + pool
+    if limits:
+        assert quantity_bytes(got["limits"]["memory"]) >= quantity_bytes(limits) + pool
+    if not requests:
+        # Kubernetes defaults a missing request to the limit, raised by the pool too.
+        assert "memory" not in got.get("requests", {})
 
 
 # ----------------------------------------------------------------- sizing

@@ -9,6 +9,10 @@ from kvtier_operator.webhook import selectors_may_overlap
 
 
 def sel(labels=None, *exprs):
+    """A selector needs one equality term (N6); where a case has none, both sides share
+    `app: vllm`, which changes no overlap answer."""
+    if not labels and not any(op == "In" for _, op, _ in exprs):
+        labels = {"app": "vllm"}
     return LabelSelector.model_validate({
         "matchLabels": labels,
         "matchExpressions": [{"key": k, "operator": op, **({"values": v} if v else {})}

@@ -71,6 +71,36 @@ def test_example_deployment_gets_the_flags_offline():
     assert out["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "20Gi"
 
 
+def test_file_tier_gets_the_guides_prefetch_policy_and_metadata_cache():
+    # llm-d's SGLang fs guide: --hicache-storage-prefetch-policy=wait_complete, the file
+    # backend's metadata cache on with a 5 s TTL, the storage dir on the volume.
+    out, conflicts = inject_workload(parse_tpc(example("sglang-hicache.yaml")),
+                                     example("sglang-deployment.yaml"), RenderContext())
+    assert conflicts == []
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    assert "--hicache-storage-prefetch-policy=wait_complete" in c["args"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE"] == "true"
+    assert env["SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL"] == "5.0"
+    assert env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == "/mnt/files-storage/sglang"
+    doc = example("sglang-hicache.yaml")
+    doc["spec"]["sglang"] |= {"prefetchPolicy": "timeout", "metadataCache": False}
+    out, _ = inject_workload(parse_tpc(doc), example("sglang-deployment.yaml"),
+                             RenderContext())
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    assert "--hicache-storage-prefetch-policy=timeout" in c["args"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE"] == "false"
+    assert "SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL" not in env
+    # Without the file tier none of it: the CPU-only pods' flags and hash are as before.
+    doc["spec"].pop("storage")
+    out, _ = inject_workload(parse_tpc(doc), example("sglang-deployment.yaml"),
+                             RenderContext())
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    assert not any("prefetch" in a for a in c["args"])
+    assert not any(e["name"].startswith("SGLANG_HICACHE_FILE") for e in c["env"])
+
+
 def test_sizing_doc_worked_example_is_what_the_code_computes():
     section = (ROOT / "docs" / "sizing.md").read_text().split("## SGLang HiCache")[1]
     example_text = section.split("Example:")[1].split("\n\n")[0]

@@ -14,6 +14,7 @@ import itertools
 import pytest
 
 from kvtier_operator.api.v1alpha1 import SglangIoBackend as IoBackend
+from kvtier_operator.api.v1alpha1 import SglangPrefetchPolicy as PrefetchPolicy
 from kvtier_operator.api.v1alpha1 import SglangWritePolicy as WritePolicy
 from kvtier_operator.engines.sglang import hicache as sglang_hicache
 from kvtier_operator.engines.sglang.flags import add_flags
@@ -93,6 +94,37 @@ def test_env_names_are_sglangs(monkeypatch, tmp_path):
         tmp_path / "sglang")
     for name in sglang_hicache.ENV_OWN_EVICTOR:  # the env kvtier refuses is SGLang's own
         assert hasattr(sglang_environ.envs, name), name
+
+
+@pytest.mark.parametrize(("settings", "cache", "ttl"), [
+    ({}, True, 5.0),  # llm-d's guide: on, 5 s
+    ({"metadataCache": True, "metadataCacheTTLSeconds": 0.25}, True, 0.25),
+    ({"metadataCache": False}, False, 5.0),  # off: no TTL written, SGLang's default stays
+])
+def test_metadata_cache_env_reads_back_with_sglangs_own_definitions(monkeypatch, tmp_path,
+                                                                   settings, cache, ttl):
+    from kvtier_operator.api.v1alpha1 import SglangSettings
+
+    rendered = sglang_hicache.env(str(tmp_path), SglangSettings.model_validate(settings))
+    for name, value in rendered.items():
+        monkeypatch.setenv(name, value)
+    envs = sglang_environ.envs
+    assert envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE.get() is cache
+    assert envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL.get() == ttl
+    assert getattr(envs, sglang_hicache.ENV_METADATA_CACHE).name == \
+        sglang_hicache.ENV_METADATA_CACHE
+
+
+@pytest.mark.parametrize("policy", list(PrefetchPolicy))
+def test_prefetch_policy_parses_with_sglangs_parser(policy):
+    rendered = sglang_hicache.flags(cpu_bytes=100 * GIB, rank_count=2,
+                                    write_policy=WritePolicy.write_through,
+                                    io_backend=IoBackend.kernel, page_size=64, file_tier=True,
+                                    prefetch_policy=policy)
+    container = {"name": "sglang", "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": ["--model-path=Qwen/Qwen3-32B", "--tensor-parallel-size=2"]}
+    assert add_flags(container, rendered, sglang_hicache.forbidden(True)) == []
+    assert parse(container["args"]).hicache_storage_prefetch_policy == str(policy)
 
 
 def test_hicache_file_writes_where_the_env_points(monkeypatch, tmp_path):

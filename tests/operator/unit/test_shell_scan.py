@@ -178,6 +178,9 @@ def test_scanner_edits_the_one_entry_point(script, expected):
     ("echo 'x; exec vllm serve m", "unterminated single quote"),
     ("echo $(echo a # c\n); exec vllm serve m", "'#' inside $(...)"),
     ("exec vllm serve m >", "redirection without a target"),
+    # N8: the appended option would be escaped into a positional argument
+    ("exec vllm serve m \\", "trailing unpaired backslash"),
+    ("vllm serve m --port 8000 \\", "trailing unpaired backslash"),
     ("echo > ; exec vllm serve m", "redirection without a target"),
 ])
 def test_scanner_refuses_with_the_reason(script, needle):

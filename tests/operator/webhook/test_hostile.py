@@ -343,16 +343,20 @@ async def test_a_slow_large_admission_in_the_worker_process_holds_up_no_one(tmp_
 
 
 async def test_bodies_in_progress_are_bounded_in_bytes(tmp_path, monkeypatch):
-    """Many senders of large, slow bodies cannot grow the process: each request reserves
-    its Content-Length first, and past the budget the answer is 503 before any read."""
-    monkeypatch.setattr(webhook, "BODY_BUDGET", 4 * 1024 * 1024)
+    """Many senders of large, slow bodies cannot grow the process: the bytes each request
+    has sent are charged as they arrive, and past the budget the answer is 503."""
+    from kvtier_operator.body_budget import MIB, BudgetLimits
+
+    monkeypatch.setattr(webhook, "BODY_LIMITS", BudgetLimits(
+        total=4 * MIB, reserve=1 * MIB, per_peer=3 * MIB, per_peer_reserve=1 * MIB))
     runner, hook = await start(tmp_path)
     try:
         _, writer = await tls_stream(hook)
         writer.write(f"POST {MUTATE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     "application/json\r\nContent-Length: 3000000\r\n\r\n{".encode())
+                     "application/json\r\nContent-Length: 3000000\r\n\r\n".encode()
+                     + b"{" + b" " * 2_500_000)
         await writer.drain()
-        await asyncio.sleep(0.2)  # the server holds 3 MB of its 4 MB budget for this one
+        await asyncio.sleep(0.5)  # the server holds 2.5 MB of its 3 MB shared pool for it
         big = json.dumps({"pad": "x" * 2_000_000}).encode()
         status, text = await hook.post(MUTATE_PATH, data=big)
         assert status == 503 and "busy" in text["error"]

@@ -64,10 +64,28 @@ ContainerName: TypeAlias = Annotated[
     str, AfterValidator(rules.CONTAINER_NAME.check), rule_schema(rules.CONTAINER_NAME)]
 ServiceName: TypeAlias = Annotated[
     str, AfterValidator(rules.SERVICE_NAME.check), rule_schema(rules.SERVICE_NAME)]
+DaemonSetName: TypeAlias = Annotated[
+    str, AfterValidator(rules.DAEMON_SET_NAME.check), rule_schema(rules.DAEMON_SET_NAME)]
+ResourceName: TypeAlias = Annotated[
+    str, AfterValidator(rules.RESOURCE_NAME.check), rule_schema(rules.RESOURCE_NAME)]
 Namespace: TypeAlias = Annotated[
     str, AfterValidator(rules.NAMESPACE.check), rule_schema(rules.NAMESPACE)]
 ConfigMapKey: TypeAlias = Annotated[
     str, AfterValidator(rules.CONFIG_MAP_KEY.check), rule_schema(rules.CONFIG_MAP_KEY)]
+SecretName: TypeAlias = Annotated[
+    str, AfterValidator(rules.SECRET_NAME.check), rule_schema(rules.SECRET_NAME)]
+SecretKey: TypeAlias = Annotated[
+    str, AfterValidator(rules.SECRET_KEY.check), rule_schema(rules.SECRET_KEY)]
+HostPath: TypeAlias = Annotated[
+    str, AfterValidator(rules.HOST_PATH.check), rule_schema(rules.HOST_PATH)]
+BucketName: TypeAlias = Annotated[
+    str, AfterValidator(rules.BUCKET_NAME.check), rule_schema(rules.BUCKET_NAME)]
+ObjectPrefix: TypeAlias = Annotated[
+    str, AfterValidator(rules.OBJECT_PREFIX.check), rule_schema(rules.OBJECT_PREFIX)]
+EndpointUrl: TypeAlias = Annotated[
+    str, AfterValidator(rules.ENDPOINT_URL.check), rule_schema(rules.ENDPOINT_URL)]
+Region: TypeAlias = Annotated[
+    str, AfterValidator(rules.REGION.check), rule_schema(rules.REGION)]
 
 LabelKey: TypeAlias = Annotated[
     str, AfterValidator(rules.check_label_key), item_schema(rules.LABEL_KEY)]

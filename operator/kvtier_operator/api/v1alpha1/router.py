@@ -32,8 +32,22 @@ class TierWeights(ApiModel):
                               description="A GPU (HBM) hit; default 1.0.")
     cpu: float | None = Field(default=None, ge=0, le=1,
                               description="A CPU-tier hit; default 0.8.")
+    local_disk: float | None = Field(
+        default=None, ge=0, le=1, description="A hit on the node's local disk "
+        "(spec.localDisk); default 0.6.")
     storage: float | None = Field(default=None, ge=0, le=1,
                                   description="A hit on the shared volume; default 0.4.")
+    object_store: float | None = Field(
+        default=None, ge=0, le=1, description="A hit in the object store "
+        "(spec.objectStore); default 0.2.")
+
+    def of(self, tier: str) -> float | None:
+        """The weight given for a tier by its name (status.tiers[].name: gpu, cpu,
+        localDisk, storage, objectStore); None: unset."""
+        for name, info in type(self).model_fields.items():
+            if tier in (name, info.alias):
+                return getattr(self, name)
+        raise KeyError(tier)
 
 
 class Router(ApiModel):
@@ -66,7 +80,9 @@ class Router(ApiModel):
     tier_weights: TierWeights = Field(
         default_factory=TierWeights,
         description="Per-tier weight of a prefix hit (0..1, GPU 1.0) in precise scoring; "
-        "unset tiers take the engine's defaults from their speed.",
+        "unset tiers take the engine's defaults from their speed. The router weighs by the "
+        "medium a tier announces: vLLM's local disk, shared volume and object store all "
+        "announce STORAGE, so they share one weight, the fastest configured one's.",
     )
     kv_events_port: int = Field(
         default=5557, ge=1024, le=65535,

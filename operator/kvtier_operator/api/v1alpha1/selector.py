@@ -13,6 +13,14 @@ from kvtier_operator.api.v1alpha1.fields import ApiModel, LabelKey, LabelValue, 
 MAX_SELECTOR_TERMS = 32
 MAX_SELECTOR_VALUES = 64
 
+# NotIn, Exists and DoesNotExist alone select (nearly) every pod of the namespace, as `{}`
+# does; a cache must name the pods it wants by at least one label value.
+NEEDS_EQUALITY = (
+    "the selector must name its pods by at least one label value: set matchLabels "
+    "(e.g. llm-d.ai/role: decode) or a matchExpressions term with operator In; "
+    "NotIn, Exists and DoesNotExist alone select nearly every pod"
+)
+
 
 class LabelSelectorRequirement(ApiModel):
     key: LabelKey = Field(description="Label key the requirement applies to.")
@@ -40,9 +48,9 @@ class LabelSelector(ApiModel):
             "x-kubernetes-validations": [
                 {
                     "rule": "(has(self.matchLabels) && size(self.matchLabels) > 0)"
-                    " || (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
-                    "message": "spec.selector must select something: set matchLabels "
-                    "(e.g. llm-d.ai/role: decode) or matchExpressions",
+                    " || (has(self.matchExpressions)"
+                    " && self.matchExpressions.exists(e, e.operator == 'In'))",
+                    "message": NEEDS_EQUALITY,
                 }
             ]
         }
@@ -57,12 +65,11 @@ class LabelSelector(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _not_empty(self) -> LabelSelector:
-        if not self.match_labels and not self.match_expressions:
-            raise ValueError(
-                "the selector is empty and would select every pod; set matchLabels "
-                "(e.g. llm-d.ai/role: decode) or matchExpressions"
-            )
+    def _has_equality(self) -> LabelSelector:
+        if not self.match_labels and not any(
+            req.operator == "In" for req in self.match_expressions or []
+        ):
+            raise ValueError(NEEDS_EQUALITY)
         return self
 
     def query(self) -> str:

@@ -15,8 +15,11 @@ from kvtier_operator.api.v1alpha1.fields import (
     ApiModel,
     ConfigMapKey,
     ConfigMapName,
+    DaemonSetName,
+    MountPath,
     Namespace,
     Quantity,
+    ResourceName,
     ServiceName,
 )
 
@@ -116,6 +119,15 @@ class SglangIoBackend(StrEnum):
     direct = "direct"
 
 
+class SglangPrefetchPolicy(StrEnum):
+    """SGLang's --hicache-storage-prefetch-policy: when a prefetch from the file tier
+    counts."""
+
+    best_effort = "best_effort"
+    wait_complete = "wait_complete"
+    timeout = "timeout"
+
+
 class SglangSettings(ApiModel):
     page_size: int = Field(
         default=64, ge=1, le=4096,
@@ -136,6 +148,55 @@ class SglangSettings(ApiModel):
         description="--hicache-io-backend between GPU and CPU memory: kernel (SGLang's "
         "transfer kernels) or direct (cudaMemcpy).",
     )
+    prefetch_policy: SglangPrefetchPolicy = Field(
+        default=SglangPrefetchPolicy.wait_complete,
+        json_schema_extra=ENUM_BOUND,
+        description="With spec.storage: --hicache-storage-prefetch-policy, how long a "
+        "request waits for pages from the file tier: wait_complete (until every page "
+        "found is loaded; llm-d's guide), timeout or best_effort.",
+    )
+    metadata_cache: bool = Field(
+        default=True,
+        description="With spec.storage: SGLang's file backend keeps which pages exist in "
+        "memory for metadataCacheTTLSeconds instead of asking the volume each time "
+        "(SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE; on in llm-d's guide). Pages "
+        "the evictor deleted may look present that long; a missed page is recomputed.",
+    )
+    metadata_cache_ttl_seconds: float = Field(
+        default=5.0, gt=0, le=3600, alias="metadataCacheTTLSeconds",
+        description="How long the file backend trusts its metadata cache, in seconds "
+        "(SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL; 5 as in llm-d's guide).",
+    )
+
+
+class MooncakeProtocol(StrEnum):
+    """The transfer protocol of Mooncake's client config (its `protocol`)."""
+
+    rdma = "rdma"
+    tcp = "tcp"
+
+
+class DaemonSetRef(ApiModel):
+    name: DaemonSetName = Field(description="The DaemonSet's name.")
+    namespace: Namespace | None = Field(
+        default=None, description="Its namespace; default the TieredPrefixCache's.")
+
+
+class MooncakeOffload(ApiModel):
+    """Mooncake's SSD tier (llm-d's mooncake-store fs variant): the pods lend no memory
+    segment (standalone-store); a client DaemonSet on every node owns the pool and
+    offloads it to its local SSD."""
+
+    client_daemon_set: DaemonSetRef = Field(
+        description="The mooncake_client DaemonSet (--enable_offload=true, its SSD path in "
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH) that someone else runs; checked to exist "
+        "(e.g. mooncake-client in namespace mooncake).",
+    )
+    root_dir: MountPath = Field(
+        default="/data/mooncake-offload",
+        description="The master's root_fs_dir: Mooncake's client library checks that this "
+        "directory exists in the model server, so kvtier mounts an empty directory there.",
+    )
 
 
 class MooncakeSettings(ApiModel):
@@ -150,5 +211,22 @@ class MooncakeSettings(ApiModel):
         default=None,
         description="The mooncake master's Service, checked to exist before pods are "
         "expected to start (e.g. mooncake-master-store in namespace mooncake).",
+    )
+    protocol: MooncakeProtocol = Field(
+        default=MooncakeProtocol.rdma,
+        json_schema_extra=ENUM_BOUND,
+        description="The protocol the client config names (vLLM's default rdma): with rdma "
+        "each model-server container requests and limits one rdmaResource. kvtier checks "
+        "that the ConfigMap says the same (PrerequisitesReady).",
+    )
+    rdma_resource: ResourceName = Field(
+        default="rdma/ib",
+        description="The extended resource of the RDMA device plugin (protocol rdma).",
+    )
+    offload: MooncakeOffload | None = Field(
+        default=None,
+        description="Mooncake's SSD tier: vLLM loads asynchronously (load_async), the "
+        "client config must be standalone-store with global_segment_size 0 and "
+        "enable_offload true (checked), and the client DaemonSet must exist.",
     )
 

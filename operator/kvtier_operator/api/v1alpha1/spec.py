@@ -13,6 +13,9 @@ from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1.eviction import CapacitySource, Eviction
 from kvtier_operator.api.v1alpha1.fields import ENUM_BOUND, ApiModel, ContainerName, Quantity
 from kvtier_operator.api.v1alpha1.geometry import ModelGeometry
+from kvtier_operator.api.v1alpha1.local_disk import LocalDiskTier
+from kvtier_operator.api.v1alpha1.object_store import ObjectStoreTier
+from kvtier_operator.api.v1alpha1.peer_sharing import PEER_SHARING_REFUSED, PeerSharing
 from kvtier_operator.api.v1alpha1.router import Router
 from kvtier_operator.api.v1alpha1.selector import LabelSelector
 from kvtier_operator.api.v1alpha1.settings import (
@@ -31,6 +34,11 @@ STAGING_WITH_CPU_TIER = (
 BLOCK_SIZE_WITH_CPU_TIER = (
     "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
     "one GPU block; remove blockSize")
+
+
+MORE_TIERS_NEED_CPU = (
+    "spec.localDisk and spec.objectStore chain behind the CPU tier (vLLM's tiering "
+    "offloading spec): add cpu.size, e.g. 100Gi")
 
 
 SYNC_LOADS_HYBRID = (
@@ -61,6 +69,11 @@ SPEC_RULES: list[dict[str, str]] = [
         "self.model.kvCacheGroups == 1",
         "message": SYNC_LOADS_HYBRID,
     },
+    {
+        "rule": "has(self.cpu) || (!has(self.localDisk) && !has(self.objectStore))",
+        "message": MORE_TIERS_NEED_CPU,
+    },
+    {"rule": "!has(self.peerSharing)", "message": PEER_SHARING_REFUSED},
 ]
 
 
@@ -114,8 +127,25 @@ class TieredPrefixCacheSpec(ApiModel):
         "from GPU memory to the shared volume (connector native, storage backend kvtier: "
         "kvtier's own vLLM offloading spec).",
     )
+    local_disk: LocalDiskTier | None = Field(
+        default=None,
+        description="Optional node-local disk tier (local NVMe) of each replica, between "
+        "the CPU tier and the shared volume, bounded per pod by kvtier's backend.",
+    )
     storage: StorageTier | None = Field(
-        default=None, description="Optional shared-filesystem tier behind the CPU tier."
+        default=None, description="Optional shared-filesystem tier behind the CPU tier "
+        "(and the local disk)."
+    )
+    object_store: ObjectStoreTier | None = Field(
+        default=None,
+        description="Optional S3-compatible object store, the last tier (behind the shared "
+        "volume where there is one), shared by every replica and held to a byte budget.",
+    )
+    peer_sharing: PeerSharing | None = Field(
+        default=None,
+        description="Not available: replicas sharing blocks peer to peer is refused, "
+        "with the reason (docs/architecture.md, Peer sharing); share through storage or "
+        "objectStore.",
     )
     sync_load_budget: Quantity | None = Field(
         default=None,
@@ -157,6 +187,18 @@ class TieredPrefixCacheSpec(ApiModel):
         if self.cpu is not None and self.storage is not None and (
                 self.storage.host_staging is not None):
             raise ValueError(STAGING_WITH_CPU_TIER)
+        return self
+
+    @model_validator(mode="after")
+    def _no_peer_sharing(self) -> TieredPrefixCacheSpec:
+        if self.peer_sharing is not None:
+            raise ValueError(PEER_SHARING_REFUSED)
+        return self
+
+    @model_validator(mode="after")
+    def _more_tiers_behind_cpu(self) -> TieredPrefixCacheSpec:
+        if self.cpu is None and (self.local_disk is not None or self.object_store is not None):
+            raise ValueError(MORE_TIERS_NEED_CPU)
         return self
 
     @model_validator(mode="after")

@@ -63,8 +63,9 @@ class TierStatus(ApiModel):
     """What one tier delivered over the window, from the selected pods' metrics. A figure
     the pods do not export is left out and `unobserved` says why: never a zero."""
 
-    name: str = Field(description="gpu, cpu, storage, or another tier the engine names "
-                      "(offloaded: hits an engine did not attribute to one tier).")
+    name: str = Field(description="gpu, cpu, localDisk, storage, objectStore, or another "
+                      "tier the engine names (offloaded: hits an engine did not attribute "
+                      "to one tier).")
     hit_percent: float | None = Field(
         default=None, description="Share of prompt tokens served from this tier, %.")
     hit_tokens: int | None = Field(default=None, description="Prompt tokens served from it.")

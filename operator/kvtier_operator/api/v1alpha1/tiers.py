@@ -102,6 +102,28 @@ class ClaimTemplate(ApiModel):
         return value
 
 
+class TierPermissions(ApiModel):
+    """How model servers that do not run as root may write a fresh volume."""
+
+    fs_group: int = Field(
+        ge=1, le=2147483647,  # Kubernetes' largest group id; 0 would be root's group
+        description="The group the model servers write the tier as: the model-server "
+        "pods' securityContext.fsGroup (a supplementary group of their containers; where "
+        "the volume's CSI driver applies fsGroup, the kubelet also gives it the volume), "
+        "and the evictor's unless eviction.fsGroup is set. A pod that sets another "
+        "fsGroup is left alone and reported.",
+    )
+    prepare_directory: bool = Field(
+        default=False,
+        description="Opt in, for volumes whose CSI driver does not apply fsGroup (see "
+        "docs/operations.md): an init container (the offload image, exec form, root with "
+        "CHOWN, DAC_OVERRIDE and FOWNER only) creates the tier's own directory, gives it to "
+        "fsGroup and sets mode 2775 (group-writable, setgid) before the model server "
+        "starts. Not recursive; refuses symlinks. The model server itself never runs as "
+        "root.",
+    )
+
+
 class StorageTier(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -150,6 +172,19 @@ class StorageTier(ApiModel):
         default=None,
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
         "Defaults to the new PVC's size times highWatermark; required with existingClaim.",
+    )
+    permissions: TierPermissions | None = Field(
+        default=None,
+        description="For model servers that do not run as root: the group they write as, "
+        "and optionally an init container that prepares the tier's directory on a fresh "
+        "volume (docs/operations.md says which storage needs which).",
+    )
+    direct_io: bool | None = Field(
+        default=None, alias="directIO",
+        description="LMCache only: its disk files written and read with O_DIRECT "
+        "(use_odirect in LMCACHE_EXTRA_CONFIG), bypassing the page cache; default true, as "
+        "in llm-d's guide. Set false where the filesystem refuses O_DIRECT (tmpfs, some "
+        "FUSE filesystems).",
     )
     host_staging_size: Quantity | None = Field(
         default=None,

@@ -285,6 +285,8 @@ class _Scanner:
                 i += 1
             elif c == "\\":
                 # An escaped character, or a continuation that joins the open word on.
+                if i + 1 == n:  # escapes what kvtier would append: its option is mangled
+                    raise self.refuse("a trailing unpaired backslash", i)
                 if top and (start >= 0 or not s.startswith("\n", i + 1)):
                     start, plain = (i if start < 0 else start), False
                 i += 2

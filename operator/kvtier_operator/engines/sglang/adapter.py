@@ -11,6 +11,7 @@ from kvtier_operator.api.v1alpha1 import (
     Connector,
     Engine,
     SglangIoBackend,
+    SglangPrefetchPolicy,
     SglangWritePolicy,
     TieredPrefixCache,
     TieredPrefixCacheSpec,
@@ -90,7 +91,9 @@ class SglangLauncher(Launcher):
             cpu_bytes=options["cpuBytes"], rank_count=ranks,
             write_policy=SglangWritePolicy(options["writePolicy"]),
             io_backend=SglangIoBackend(options["ioBackend"]), page_size=options["pageSize"],
-            file_tier=file_tier)
+            file_tier=file_tier,
+            prefetch_policy=SglangPrefetchPolicy(options["prefetchPolicy"])
+            if "prefetchPolicy" in options else None)
         # With a problem already, the pod stays as it was (inject() keeps the original);
         # the flags are still read so that every conflict is reported at once.
         problems += sglang_flags.add_flags(container, flags, sglang_hicache.forbidden(file_tier))
@@ -123,7 +126,8 @@ class SglangHicache(Adapter):
             for field, value in (("blockSize", s.block_size),
                                  ("hostStagingSize", s.host_staging_size),
                                  ("stagingSize", s.staging_size),
-                                 ("maxSizePerReplica", s.max_size_per_replica)):
+                                 ("maxSizePerReplica", s.max_size_per_replica),
+                                 ("directIO", s.direct_io)):
                 if value is not None:
                     raise ValueError(
                         f"spec.storage.{field} does not apply to engine sglang (a shared-tier "
@@ -139,14 +143,18 @@ class SglangHicache(Adapter):
         spec = tpc.spec
         settings = spec.sglang
         assert settings is not None  # check_spec requires the block
-        return {"cpuBytes": spec.cpu_bytes, "pageSize": settings.page_size,
-                "writePolicy": str(settings.write_policy),
-                "ioBackend": str(settings.io_backend), "fileTier": spec.storage is not None}
+        options = {"cpuBytes": spec.cpu_bytes, "pageSize": settings.page_size,
+                   "writePolicy": str(settings.write_policy),
+                   "ioBackend": str(settings.io_backend), "fileTier": spec.storage is not None}
+        if spec.storage is not None:
+            # Only with the file tier (which it is about): CPU-only pods keep their hash.
+            options["prefetchPolicy"] = str(settings.prefetch_policy)
+        return options
 
     def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
         storage = tpc.spec.storage
         return super().env(tpc, role) | sglang_hicache.env(
-            storage.mount_path if storage is not None else None)
+            storage.mount_path if storage is not None else None, tpc.spec.sglang)
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
@@ -154,6 +162,9 @@ class SglangHicache(Adapter):
         # wants its host reserve free below the limit on top of the pools.
         return pinned_process_sizing(
             spec.cpu_bytes + sglang_hicache.HOST_MEMORY_RESERVE_BYTES, existing_shm_bytes)
+
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        return sglang_hicache.STORAGE_DIR
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         return EVICTOR_LAYOUT if spec.storage is not None else None

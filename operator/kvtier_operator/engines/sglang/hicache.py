@@ -4,8 +4,9 @@ CPU tier and shared file tier. Pure; docs/sizing.md explains --hicache-size.
 - CPU tier: `--enable-hierarchical-cache --hicache-size=<GB per rank>` plus the write
   policy, the host<->GPU I/O backend and the page size (the router scores in pages of
   this many tokens: they must agree).
-- Shared file tier: `--hicache-storage-backend=file` and
-  SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=<mount>/sglang (the evictor's `sglang` layout).
+- Shared file tier: `--hicache-storage-backend=file`, the prefetch policy (llm-d's guide:
+  wait_complete), SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=<mount>/sglang (the evictor's
+  `sglang` layout) and the file backend's metadata cache (on, 5 s, as in the guide).
   SGLang's own LRU file evictor stays off (it turns on with a max size or a minimum free
   space): on a shared volume every pod of a model owns the same file suffixes and would
   delete the others' pages. kvtier's evictor CronJob bounds the volume instead.
@@ -16,7 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_operator.api.v1alpha1 import SglangIoBackend, SglangWritePolicy
+from kvtier_operator.api.v1alpha1 import (
+    SglangIoBackend,
+    SglangPrefetchPolicy,
+    SglangSettings,
+    SglangWritePolicy,
+)
 from kvtier_operator.engines.sglang.flags import (
     CONFIG_FILE,
     Flag,
@@ -34,6 +40,9 @@ DEFAULT_PAGE_SIZE = 64  # llm-d's SGLang guides and the router scorer's default 
 HOST_MEMORY_RESERVE_BYTES = 10 * 2**30
 STORAGE_DIR = "sglang"  # below the volume mount; the evictor's `sglang` layout
 ENV_STORAGE_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+# The file backend's cache of which pages exist (sglang/srt/environ.py: EnvBool, EnvFloat).
+ENV_METADATA_CACHE = "SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE"
+ENV_METADATA_TTL = "SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL"
 # Env that would turn on SGLang's own size-capped evictor (sglang/srt/environ.py).
 ENV_OWN_EVICTOR = ("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
                    "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE")
@@ -80,7 +89,8 @@ def hicache_size_gb(cpu_bytes: int, rank_count: int) -> int:
 
 
 def flags(*, cpu_bytes: int, rank_count: int, write_policy: SglangWritePolicy,
-          io_backend: SglangIoBackend, page_size: int, file_tier: bool) -> list[Flag]:
+          io_backend: SglangIoBackend, page_size: int, file_tier: bool,
+          prefetch_policy: SglangPrefetchPolicy | None = None) -> list[Flag]:
     """The flags kvtier gives SGLang, each with the spec field it comes from."""
     out = [
         Flag("--enable-hierarchical-cache", None, "spec.cpu", aliases=("--enable-hicache",)),
@@ -92,6 +102,9 @@ def flags(*, cpu_bytes: int, rank_count: int, write_policy: SglangWritePolicy,
     ]
     if file_tier:
         out.append(Flag("--hicache-storage-backend", "file", "spec.storage"))
+        if prefetch_policy is not None:
+            out.append(Flag("--hicache-storage-prefetch-policy", str(prefetch_policy),
+                            "spec.sglang.prefetchPolicy"))
     return out
 
 
@@ -104,10 +117,20 @@ def forbidden(file_tier: bool) -> Sequence[Forbidden]:
 OWN_EVICTOR_OFF = "0"
 
 
-def env(mount_path: str | None) -> dict[str, str]:
-    """Env SGLang needs: the file tier's directory, and its own evictor held off, when
-    there is one."""
+def storage_dir(mount_path: str) -> str:
+    """The file tier's directory on the shared volume."""
+    return f"{mount_path.rstrip('/')}/{STORAGE_DIR}"
+
+
+def env(mount_path: str | None, settings: SglangSettings | None = None) -> dict[str, str]:
+    """Env SGLang needs: the file tier's directory, its metadata cache, and its own
+    evictor held off, when there is one."""
     if mount_path is None:
         return {}
-    return {ENV_STORAGE_DIR: f"{mount_path.rstrip('/')}/{STORAGE_DIR}"} | {
+    out = {ENV_STORAGE_DIR: storage_dir(mount_path)} | {
         name: OWN_EVICTOR_OFF for name in ENV_OWN_EVICTOR}
+    if settings is not None:
+        out[ENV_METADATA_CACHE] = "true" if settings.metadata_cache else "false"
+        if settings.metadata_cache:
+            out[ENV_METADATA_TTL] = repr(float(settings.metadata_cache_ttl_seconds))
+    return out

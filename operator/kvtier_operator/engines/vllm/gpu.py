@@ -3,10 +3,13 @@ or, without a CPU tier, kvtier's own offloading spec straight to files) and LMCa
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
+from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import (
     BLOCK_SIZE_WITH_CPU_TIER,
+    DEFAULT_FILE_TOKENS,
     Connector,
     Engine,
     RouterScoring,
@@ -14,7 +17,7 @@ from kvtier_operator.api.v1alpha1 import (
     TieredPrefixCache,
     TieredPrefixCacheSpec,
 )
-from kvtier_operator.engines.base import Adapter, NoCpuTier, PodRole
+from kvtier_operator.engines.base import Adapter, ExtraVolume, NoCpuTier, PodRole
 from kvtier_operator.engines.cmdline.argv import MAX_COMMAND_CHARS, command_line
 from kvtier_operator.engines.sizing import PodSizing
 from kvtier_operator.engines.versions import Asked
@@ -32,6 +35,12 @@ from kvtier_operator.engines.vllm.versions import (
 # package (offload/kvtier_offload/vllm_tier.py defines it).
 KVTIER_TIER_TYPE = "KvtierStorageTier"
 KVTIER_TIER_MODULE = "kvtier_offload.vllm_tier"
+# The tiers chained around it (spec.localDisk before it, spec.objectStore after it):
+# offload/kvtier_offload/vllm_local_tier.py and vllm_object_tier.py.
+LOCAL_TIER_TYPE = "KvtierLocalTier"
+LOCAL_TIER_MODULE = "kvtier_offload.vllm_local_tier"
+OBJECT_TIER_TYPE = "KvtierObjectTier"
+OBJECT_TIER_MODULE = "kvtier_offload.vllm_object_tier"
 # Without a CPU tier: kvtier's own OffloadingSpec (offload/kvtier_offload/vllm_spec.py)
 # under kvtier's connector (vllm_connector.py), which reports a block it could not load
 # so that vLLM recomputes it (vLLM's own OffloadingConnector would stop the engine).
@@ -39,7 +48,11 @@ KVTIER_SPEC_NAME = "KvtierOffloadingSpec"
 KVTIER_SPEC_MODULE = "kvtier_offload.vllm_spec"
 KVTIER_CONNECTOR = "KvtierOffloadingConnector"
 KVTIER_CONNECTOR_MODULE = "kvtier_offload.vllm_connector"
-LMCACHE_DISK_DIR = "lmcache"
+LMCACHE_DISK_DIR = "lmcache"  # below the volume mount; the evictor's `lmcache` layout
+# Where LMCache's processes keep their Prometheus files (LMCache's own default and llm-d's
+# guide), on an emptyDir: fresh for each pod, writable whatever the root filesystem.
+LMCACHE_PROMETHEUS_DIR = "/tmp/lmcache_prometheus"
+PROMETHEUS_VOLUME = "kvtier-lmcache-prometheus"
 NO_CPU_TIER_NEEDS_STORAGE = (
     "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
     "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
@@ -48,9 +61,10 @@ NO_CPU_TIER_NEEDS_STORAGE = (
 class VllmNative(Adapter):
     engine = Engine.vllm
     connector = Connector.native
-    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, shared file tier "
-             "by kvtier's backend or vLLM's fs tier; without a CPU tier kvtier's own spec "
-             "moves blocks between GPU and files")
+    title = ("vLLM on GPU, its OffloadingConnector: CPU tier in /dev/shm, then kvtier's "
+             "local-disk tier, the shared file tier (kvtier's backend or vLLM's fs tier) and "
+             "kvtier's object-store tier; without a CPU tier kvtier's own spec moves blocks "
+             "between GPU and files")
     launcher = VLLM
     takes_storage: ClassVar[bool] = True
     storage_backends: ClassVar[tuple[StorageBackend, ...]] = (
@@ -58,6 +72,8 @@ class VllmNative(Adapter):
     no_cpu_tier: ClassVar[NoCpuTier | None] = NoCpuTier(StorageBackend.kvtier,
                                                         NO_CPU_TIER_NEEDS_STORAGE)
     publishes_kv_events: ClassVar[bool] = True
+    takes_local_disk: ClassVar[bool] = True
+    takes_object_store: ClassVar[bool] = True
 
     def kv_events_config(self, tpc: TieredPrefixCache) -> dict[str, Any] | None:
         return kv_events_config(tpc)
@@ -72,6 +88,10 @@ class VllmNative(Adapter):
             asked.append(Asked(KV_LOAD_FAILURE_POLICY, "spec.cpu left out (no CPU tier)"))
         elif backend == StorageBackend.kvtier:
             asked.append(Asked(OUT_OF_TREE_TIER, "spec.storage.backend kvtier"))
+        elif spec.local_disk is not None:
+            asked.append(Asked(OUT_OF_TREE_TIER, "spec.localDisk"))
+        elif spec.object_store is not None:
+            asked.append(Asked(OUT_OF_TREE_TIER, "spec.objectStore"))
         if backend == StorageBackend.vllm_fs:
             asked.append(Asked(FS_TIER_EXTERNAL_EVICTOR, "spec.storage.backend vllm-fs"))
         if spec.sync_load_budget is not None:
@@ -90,6 +110,11 @@ class VllmNative(Adapter):
                 "storage.maxSizePerReplica applies to connector lmcache only; remove it "
                 "(the evictor bounds the native tiers)"
             )
+        if s is not None and s.direct_io is not None:
+            raise ValueError(
+                "storage.directIO applies to connector lmcache only; remove it (kvtier's "
+                "backend probes O_DIRECT itself, vLLM's fs tier does not use it)"
+            )
 
     def launch_options(self, tpc: TieredPrefixCache) -> dict[str, Any]:
         options = self._launch_options(tpc)
@@ -103,34 +128,79 @@ class VllmNative(Adapter):
         spec = tpc.spec
         if spec.no_cpu_tier:
             return _no_cpu_tier_config(tpc)
-        storage = spec.storage
-        backend = self.storage_backend(spec)
         extra: dict[str, Any] = {"cpu_bytes_to_use": spec.cpu_bytes}
-        if storage is not None and backend is not None:
-            tier: dict[str, Any]
-            if backend == StorageBackend.vllm_fs:
-                tier = {"type": "fs"}
-            else:
-                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE}
-            tier |= {
-                "root_dir": storage.mount_path,
-                "n_read_threads": storage.read_threads,
-                "n_write_threads": storage.write_threads,
-            }
-            if spec.router.scoring == RouterScoring.precise:
-                # The tier announces its blocks (medium STORAGE) on the engine's stream.
-                tier["enable_kv_events"] = True
+        tiers = self._secondary_tiers(spec)
+        if tiers:
             extra = {
                 "spec_name": "TieringOffloadingSpec",
                 **extra,
-                "block_size": storage.block_tokens,
-                "secondary_tiers": [tier],
+                "block_size": (spec.storage.block_tokens if spec.storage is not None
+                               else DEFAULT_FILE_TOKENS),
+                "secondary_tiers": tiers,
             }
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+
+    def _secondary_tiers(self, spec: TieredPrefixCacheSpec) -> list[dict[str, Any]]:
+        """vLLM's tiering stores every chunk to each secondary tier and looks them up in
+        this order: the node's disk, the shared volume, the object store (fastest first).
+        With precise scoring each tier announces its blocks (medium STORAGE; the local
+        disk with locality LOCAL, the object store REMOTE) on the engine's stream."""
+        tiers: list[dict[str, Any]] = []
+        disk = spec.local_disk
+        if disk is not None:
+            tiers.append({"type": LOCAL_TIER_TYPE, "module_path": LOCAL_TIER_MODULE,
+                          "root_dir": disk.mount_path, "capacity_bytes": disk.bytes,
+                          "n_read_threads": disk.read_threads,
+                          "n_write_threads": disk.write_threads})
+        storage = spec.storage
+        backend = self.storage_backend(spec)
+        if storage is not None and backend is not None:
+            tier: dict[str, Any]
+            if backend == StorageBackend.vllm_fs:
+                tier = {"type": "fs"}
+            else:
+                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE}
+            tiers.append(tier | {
+                "root_dir": storage.mount_path,
+                "n_read_threads": storage.read_threads,
+                "n_write_threads": storage.write_threads,
+            })
+        store = spec.object_store
+        if store is not None:
+            # Never a credential here (this is vLLM's command line): boto3 reads them
+            # from the env the Secret gives (engines/chained_tiers.credential_env).
+            tier = {"type": OBJECT_TIER_TYPE, "module_path": OBJECT_TIER_MODULE,
+                    "bucket": store.bucket, "prefix": store.prefix,
+                    "addressing_style": str(store.addressing_style),
+                    "max_concurrency": store.max_concurrency}
+            if store.endpoint is not None:
+                tier["endpoint_url"] = store.endpoint
+            if store.region is not None:
+                tier["region"] = store.region
+            tiers.append(tier)
+        if spec.router.scoring == RouterScoring.precise:
+            for tier in tiers:
+                tier["enable_kv_events"] = True
+        return tiers
+
+    def env(self, tpc: TieredPrefixCache, role: PodRole) -> dict[str, str]:
+        env = super().env(tpc, role)
+        if tpc.spec.no_cpu_tier and role == PodRole.server:
+            # kvtier's stores run in the worker processes: their metrics reach /metrics
+            # only through prometheus-client's multiprocess mode (names.METRICS_MOUNT).
+            env[names.ENV_MULTIPROC_DIR] = names.METRICS_MOUNT
+        return env
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        if not tpc.spec.no_cpu_tier:
+            return []
+        return [ExtraVolume({"name": names.VOLUME_METRICS,
+                             "emptyDir": {"sizeLimit": names.METRICS_SIZE_LIMIT}},
+                            names.METRICS_MOUNT, read_only=False)]
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:
@@ -146,8 +216,9 @@ class VllmNative(Adapter):
         return not spec.no_cpu_tier
 
     def needs_offload_package(self, spec: TieredPrefixCacheSpec) -> bool:
-        # kvtier's tier or spec, or the /dev/shm sweep run before every start.
-        return self.storage_backend(spec) == StorageBackend.kvtier or self.sweeps_shm(spec)
+        # kvtier's tiers or spec, or the /dev/shm sweep run before every start.
+        return (self.storage_backend(spec) == StorageBackend.kvtier or self.sweeps_shm(spec)
+                or spec.local_disk is not None or spec.object_store is not None)
 
     def evictor_layout(self, spec: TieredPrefixCacheSpec) -> str | None:
         backend = self.storage_backend(spec)
@@ -156,6 +227,11 @@ class VllmNative(Adapter):
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         # Without a CPU tier the files are every replica's: they do not steer routing.
         return None if spec.no_cpu_tier else super().router_cpu_blocks(spec)
+
+
+def lmcache_disk_dir(mount_path: str) -> str:
+    """LMCache's disk tier directory on the shared volume (its own, below the mount)."""
+    return f"{mount_path.rstrip('/')}/{LMCACHE_DISK_DIR}"
 
 
 def kv_events_config(tpc: TieredPrefixCache) -> dict[str, Any] | None:
@@ -229,11 +305,26 @@ class VllmLmcache(Adapter):
         env = super().env(tpc, role)
         env["LMCACHE_LOCAL_CPU"] = "True"
         env["LMCACHE_MAX_LOCAL_CPU_SIZE"] = str(sizing.lmcache_cpu_gb(spec))
-        if spec.storage is not None:
-            env["LMCACHE_LOCAL_DISK"] = f"file://{spec.storage.mount_path}/{LMCACHE_DISK_DIR}/"
+        # LMCache's metrics from every process (vLLM's workers and the API server) meet
+        # in one directory, an emptyDir of the pod's (extra_volumes).
+        env[names.ENV_MULTIPROC_DIR] = LMCACHE_PROMETHEUS_DIR
+        storage = spec.storage
+        if storage is not None:
+            env["LMCACHE_LOCAL_DISK"] = f"file://{lmcache_disk_dir(storage.mount_path)}/"
             env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = str(sizing.lmcache_disk_gb(spec))
-            env["LMCACHE_CHUNK_SIZE"] = str(spec.storage.block_tokens)
+            env["LMCACHE_CHUNK_SIZE"] = str(storage.block_tokens)
+            # LMCache tests use_odirect for truth: a JSON boolean, never a string ("False"
+            # would be true).
+            direct = True if storage.direct_io is None else storage.direct_io
+            env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"use_odirect": direct})
         return env
+
+    def tier_directory(self, spec: TieredPrefixCacheSpec) -> str:
+        return LMCACHE_DISK_DIR
+
+    def extra_volumes(self, tpc: TieredPrefixCache) -> list[ExtraVolume]:
+        return [ExtraVolume(volume={"name": PROMETHEUS_VOLUME, "emptyDir": {}},
+                            mount_path=LMCACHE_PROMETHEUS_DIR, read_only=False)]
 
     def pod_sizing(self, spec: TieredPrefixCacheSpec, existing_shm_bytes: int | None,
                    container: dict[str, Any], role: PodRole) -> PodSizing:

@@ -8,9 +8,11 @@ real API servers, tests/fixtures/metrics/).
 - Bytes between HBM and the first offloaded medium: `vllm:kv_offload_load_bytes` and
   `_store_bytes` (the CPU tier where there is one, else the files).
 - kvtier's backend (the files): `kvtier_offload_bytes`, `_operations` (failed loads:
-  any load outcome but ok), `_latency_seconds` (load p50/p99). They reach /metrics
-  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec;
-  in GPU-direct mode they stay in the worker processes' registries (see `missing`).
+  any load outcome but ok, and `_corrupt_files`: files refused on load),
+  `_latency_seconds` (load p50/p99). They reach /metrics
+  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec,
+  and in GPU-direct mode through prometheus-client's multiprocess directory that kvtier
+  renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
 - Capacity: 0.33's `vllm:kv_offload_config_info` (cpu_kv_cache_size_bytes and _tokens,
   cpu_num_chunks x cpu_blocks_per_chunk); use: `vllm:kv_offload_cpu_cache_usage_perc`,
   `vllm:kv_cache_usage_perc` (HBM), both fractions.
@@ -35,20 +37,29 @@ from kvtier_operator.engines.figures import (
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
     USED_PERCENT,
+    Labels,
     PodFigures,
     Samples,
     buckets,
     by_label,
-    first_labels,
     put,
     total,
 )
 
 SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "storage", "p2p": "p2p"}
+# kvtier's tiers on files or objects: vLLM counts a hit on any of them as source "disk";
+# kvtier's own series name each one in their tier label (kvtier_offload.metrics.TIER).
+KVTIER_TIERS = ("localDisk", "storage", "objectStore")
+# A backend older than the tier label counted the shared tier only.
+UNLABELLED_TIER = "storage"
 KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direct mode they "
-                    "live in vLLM's worker processes (set PROMETHEUS_MULTIPROC_DIR to "
-                    "export them)")
+                    "live in vLLM's worker processes and reach /metrics through "
+                    "PROMETHEUS_MULTIPROC_DIR, which kvtier renders for this mode (a pod "
+                    "injected by an older kvtier lacks it: restart it; one that sets it "
+                    "itself must point it at an empty directory)")
 CONFIG_INFO = "vllm:kv_offload_config_info"
+CPU_INFO_LABELS = ("cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes",
+                   "cpu_kv_cache_size_tokens")
 # Every family read below (the observer parses only these).
 FAMILIES = frozenset({
     "vllm:prompt_tokens", "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source",
@@ -57,6 +68,7 @@ FAMILIES = frozenset({
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
     "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
+    "kvtier_offload_corrupt_files",
 })
 
 
@@ -88,6 +100,9 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     if by_source:
         for source, tokens in by_source.items():
             tier = SOURCE_TIER.get(source)
+            if source == "disk":  # one tier of files or objects, or which is unknown
+                disks = [t for t in offloaded if t in KVTIER_TIERS]
+                tier = disks[0] if len(disks) == 1 else OFFLOADED
             if tier is None:  # external_unspecified: the only offloaded tier, if one
                 tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
             if tier != "gpu" and tier != OFFLOADED and tier not in offloaded:
@@ -108,32 +123,66 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
 
 
 def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
-    if "storage" not in offloaded:
+    tiers = [t for t in offloaded if t in KVTIER_TIERS]
+    if not tiers:
         return
     if not any(name.startswith("kvtier_offload_") for name in samples):
-        for key in ((FAILED_LOADS, "storage"), (LOAD_SECONDS, "storage")):
-            f.missing[key] = KVTIER_UNREACHED
+        for tier in tiers:
+            for key in ((FAILED_LOADS, tier), (LOAD_SECONDS, tier)):
+                f.missing[key] = KVTIER_UNREACHED
         return
+    labelled = _by_tier(samples)
+    for tier in tiers:
+        _kvtier_tier(f, labelled.get(tier, {}), tier)
+
+
+def _by_tier(samples: Samples) -> dict[str, dict[str, list[tuple[Labels, float]]]]:
+    """kvtier's series by their tier label (one without it: the shared tier's)."""
+    out: dict[str, dict[str, list[tuple[Labels, float]]]] = {}
+    for name, series in samples.items():
+        if not name.startswith("kvtier_offload_"):
+            continue
+        for labels, value in series:
+            tier = labels.get("tier", UNLABELLED_TIER)
+            out.setdefault(tier, {}).setdefault(name, []).append((labels, value))
+    return out
+
+
+def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     loaded = total(samples, "kvtier_offload_bytes_total", direction="load")
     stored = total(samples, "kvtier_offload_bytes_total", direction="store")
     if loaded is not None:
-        f.counters[(BYTES_LOADED, "storage")] = loaded
+        f.counters[(BYTES_LOADED, tier)] = loaded
     if stored is not None:
-        f.counters[(BYTES_STORED, "storage")] = stored
+        f.counters[(BYTES_STORED, tier)] = stored
     outcomes = {labels.get("outcome", ""): v for labels, v in
                 samples.get("kvtier_offload_operations_total", ()) if
                 labels.get("direction") == "load"}
-    f.counters[(FAILED_LOADS, "storage")] = sum(v for k, v in outcomes.items() if k != "ok")
-    f.counters[(LOADS, "storage")] = sum(outcomes.values())
+    # A block file refused on load (damaged, foreign, short) is counted by its reason in
+    # kvtier_offload_corrupt_files, not as a load outcome: it is a failed load too.
+    refused = sum(v for _, v in samples.get("kvtier_offload_corrupt_files_total", ()))
+    failed = sum(v for k, v in outcomes.items() if k != "ok") + refused
+    f.counters[(FAILED_LOADS, tier)] = failed
+    f.counters[(LOADS, tier)] = outcomes.get("ok", 0.0) + failed
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
-        f.histograms[(LOAD_SECONDS, "storage")] = hist
+        f.histograms[(LOAD_SECONDS, tier)] = hist
+
+
+def _cpu_tier_info(samples: Samples) -> Labels | None:
+    """The labels of the CPU tier's config-info series: the only series under
+    CPUOffloadingSpec; under TieringOffloadingSpec one series per tier (label `tier`,
+    "0:primary" for the CPU tier), where only the CPU tier's carries cpu_* values."""
+    for labels, _ in samples.get(CONFIG_INFO, ()):
+        if any(labels.get(name) for name in CPU_INFO_LABELS):
+            return labels
+    return None
 
 
 def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
     """(bytes, tokens, engine blocks) of the CPU tier from 0.33's config info; None each
     where absent (0.32, or a mode without vLLM's CPU tier)."""
-    labels = first_labels(samples, CONFIG_INFO)
+    labels = _cpu_tier_info(samples)
     if labels is None:
         return None, None, None
 
