@@ -49,6 +49,7 @@ SLOW_MODULES = (
     "tests/offload/test_gpu_check.py",  # scripts/gpu_check.py, in subprocesses
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
+    "tests/offload/test_vllm_recompute_bound.py",
     "tests/offload/test_vllm_local_tier.py",
     "tests/offload/test_chained_tiers.py",  # engine processes, the operator's tiers
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses

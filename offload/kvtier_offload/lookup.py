@@ -5,7 +5,8 @@ recently answered first out past max_entries. `BackgroundLookup` answers keys th
 does not know on a few threads of its own: the caller asks and polls the cache; a key
 not answered within pending_seconds, or asked while the queue is full, is overdue and
 the caller treats it as a miss (a slow or hung volume costs a recompute, never a request
-held back for good).
+held back for good), unless the caller asks patiently: then it decides itself how long to
+wait (recompute_bound.py), from the round trips measured here (expected_wait).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from kvtier_offload.jobs import time_left
+from kvtier_offload.recompute_bound import Rate
 
 Entry = tuple[bool, float]  # (present, valid until: monotonic)
 
@@ -61,27 +63,34 @@ class BackgroundLookup:
     """Keys waiting for stat(key), taken by `threads` threads (daemons, named
     name-0, name-1...), each a share of the queue at a time so a long scan spreads over
     all of them. stat answers the key; it records the answer where the caller will look
-    (a LookupCache) and must not raise."""
+    (a LookupCache) and must not raise. Each stat is timed (stat_seconds: a moving
+    average of the volume's round trip)."""
 
     def __init__(self, stat: Callable[[bytes], object], threads: int, queue_limit: int,
-                 pending_seconds: float, name: str = "kvtier-lookup") -> None:
+                 pending_seconds: float, name: str = "kvtier-lookup",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._stat = stat
+        self._clock = clock
+        self._round_trip = Rate()
+        self._in_stat: dict[int, float] = {}  # thread number -> when its stat began
         self._queue_limit = queue_limit
         self.pending_seconds = pending_seconds
         self._cv = threading.Condition()
         self._queue: deque[bytes] = deque()
         self._pending: dict[bytes, float] = {}  # key -> when first asked (monotonic)
         self._closed = False
-        self._threads = [threading.Thread(target=self._loop, daemon=True, name=f"{name}-{n}")
+        self._threads = [threading.Thread(target=self._loop, args=(n,), daemon=True,
+                                          name=f"{name}-{n}")
                          for n in range(max(1, threads))]
         for thread in self._threads:
             thread.start()
 
-    def ask(self, key: bytes) -> bool:
+    def ask(self, key: bytes, patient: bool = False) -> bool:
         """Queue key for a stat unless it waits already. True while its answer may still
         come in time; False where it is overdue (asked pending_seconds ago or more and
-        not answered, or the queue is full): a miss for the caller."""
-        now = time.monotonic()
+        not answered, or the queue is full): a miss for the caller. patient: the caller
+        bounds the wait itself, so only a full queue makes the key overdue."""
+        now = self._clock()
         with self._cv:
             asked = self._pending.get(key)
             if asked is None:
@@ -90,14 +99,35 @@ class BackgroundLookup:
                 self._pending[key] = asked = now
                 self._queue.append(key)
                 self._cv.notify()
-        return now - asked <= self.pending_seconds
+        return patient or now - asked <= self.pending_seconds
 
     def waiting(self) -> int:
         """Keys asked and not yet answered."""
         with self._cv:
             return len(self._pending)
 
-    def _loop(self) -> None:
+    def stat_seconds(self) -> float | None:
+        """The volume's round trip for one stat: the moving average of those answered, or
+        longer where a stat in progress has taken longer already (a volume slowing down
+        shows at once); None before any stat began."""
+        with self._cv:
+            average = self._round_trip.per_unit
+            began = min(self._in_stat.values(), default=None)
+        running = None if began is None else self._clock() - began
+        if average is None:
+            return running
+        return average if running is None else max(average, running)
+
+    def expected_wait(self) -> float | None:
+        """How long until the keys waiting now are answered, at the measured round trip
+        (the threads take them in turns); None where nothing is measured yet."""
+        per_stat = self.stat_seconds()
+        if per_stat is None:
+            return None
+        waiting = self.waiting()
+        return per_stat * -(-waiting // len(self._threads))
+
+    def _loop(self, number: int) -> None:
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -108,9 +138,15 @@ class BackgroundLookup:
                 batch = [self._queue.popleft() for _ in range(min(share, 64))]
             try:
                 for key in batch:
+                    began = self._clock()
+                    with self._cv:
+                        self._in_stat[number] = began
                     self._stat(key)
+                    with self._cv:
+                        self._round_trip.add(self._clock() - began, 1)
             finally:
                 with self._cv:
+                    self._in_stat.pop(number, None)
                     for key in batch:
                         self._pending.pop(key, None)
 

@@ -74,6 +74,11 @@ DEFINITIONS = {d.name: d for d in (
                "ok, turned-off, not-built, wrong-build, batch-io-off, or no-digest (the store "
                "refused to start)",
                (TIER, "reason"), multiprocess_mode="max"),
+    Definition("Counter", "kvtier_offload_tier_skipped",
+               "Requests that recomputed (the rest of) their prefix rather than wait for or "
+               "load the tier, which would have cost more than recompute; reason: "
+               "lookup-wait (the volume's answers come too late) or load-slower (loading "
+               "takes longer than recomputing)", (TIER, "reason")),
     Definition("Gauge", "kvtier_offload_queue_depth",
                "Block operations submitted and not yet finished", (TIER, "direction"),
                multiprocess_mode="livesum"),
@@ -285,6 +290,7 @@ class Metrics:
         self.failed = get("kvtier_offload_failed_writes")
         self.queue_depth = get("kvtier_offload_queue_depth")
         self.native = get("kvtier_offload_native")
+        self.tier_skipped = get("kvtier_offload_tier_skipped")
         # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
         self.store_ok = self.operations.labels("store", "ok")
         self.load_ok = self.operations.labels("load", "ok")

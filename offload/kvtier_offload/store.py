@@ -295,14 +295,25 @@ class BlockStore:
         self.metrics.lookups.labels("hit" if present else "miss").inc()
         return present
 
-    def lookup(self, key: bytes) -> bool | None:
-        """True/False from the cache, or None while a background lookup runs."""
+    def lookup(self, key: bytes, patient: bool = False) -> bool | None:
+        """True/False from the cache, or None while a background lookup runs. patient:
+        the caller bounds the wait itself (recompute_bound.py): no lookup_pending_seconds
+        deadline, only a full queue makes the key a miss."""
         if self._refused(key, "lookup"):
             return False
         cached = self._lookups.get(key)
         if cached is not None:
             return cached
-        return None if self._background.ask(key) else self._overdue()
+        return None if self._background.ask(key, patient) else self._overdue()
+
+    def stat_seconds(self) -> float | None:
+        """The volume's measured round trip for one stat (lookup.BackgroundLookup)."""
+        return self._background.stat_seconds()
+
+    def expected_lookup_wait(self) -> float | None:
+        """How long the keys waiting for a stat now will take to be answered, at the
+        volume's measured round trip; None before any stat began."""
+        return self._background.expected_wait()
 
     def _overdue(self) -> bool:
         """A lookup the volume did not answer in time: a miss (vLLM recomputes)."""

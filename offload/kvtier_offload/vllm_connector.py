@@ -32,6 +32,11 @@ block ids only, through get_block_ids_with_load_errors(): vLLM's scheduler then 
 running request back to its first bad block and recomputes from there (its sampled token
 of that step is dropped). That needs block ids, so sync loads are refused for models with
 several KV cache groups (here and in KvtierOffloadingSpec).
+
+On the scheduler's side it times the engine's steps for the manager's recompute bound
+(recompute_bound.PrefillRate): each step from the scheduler handing it out
+(build_connector_meta, with its scheduled tokens) to its output coming back
+(update_connector_output).
 """
 
 from __future__ import annotations
@@ -164,8 +169,27 @@ class KvtierOffloadingConnector(OffloadingConnector):
             failed_recving=failed,
         )
 
+    def _prefill_rate(self) -> Any:
+        """The manager's PrefillRate (None on a worker, or with another spec's manager)."""
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        return getattr(manager, "prefill", None)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        prefill = self._prefill_rate()
+        if prefill is not None:
+            # Paired with its output in order (an empty step is left out: its output
+            # may never come back).
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            prompt = sum(n for n in scheduled.values() if n > 1)  # a decode is one token
+            prefill.step_scheduled(int(scheduler_output.total_num_scheduled_tokens), prompt)
+        return meta
+
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        prefill = self._prefill_rate()
+        if prefill is not None:
+            prefill.step_done()
         # vLLM tells the manager a load is complete, never whether it succeeded; it is
         # told here: requests done receiving in a step without any load error loaded
         # well, so a preempted one may hit those blocks again (a step with an error

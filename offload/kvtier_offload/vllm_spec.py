@@ -35,7 +35,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,14 @@ from kvtier_offload.page_copy import (
     PageAddresses,
     memmove_batch_copy,
     vllm_batch_copy,
+)
+from kvtier_offload.recompute_bound import (
+    LOAD_SLOWER,
+    PrefillRate,
+    Rate,
+    RequestWait,
+    load_slower,
+    stop_waiting,
 )
 from kvtier_offload.store import BlockStore, StoreConfig
 
@@ -125,13 +133,21 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
         # the manager must stat the volume, never trust what it was told
         lookup_hit_ttl=float(extra.get("lookup_hit_ttl", 2.0)),
         # a key the volume has not answered within this is a miss (never a request
-        # held back for good); only the manager looks keys up
+        # held back for good) until the manager has measured the engine's prefill rate;
+        # from then on its recompute bound decides (recompute_bound.py)
         lookup_pending_seconds=float(extra.get("lookup_pending_seconds", 1.0)),
         lookup_threads=int(extra.get("n_lookup_threads", 4)) if lookups_only else 1,
     ))
 
 
-LOADED_REQUESTS = 4096  # requests whose loaded keys the manager remembers
+LOADED_REQUESTS = 4096  # requests whose loaded keys (and lookup waits) the manager remembers
+
+
+def _flag(value: object) -> bool:
+    """A boolean from kv_connector_extra_config (JSON true/false, or a string)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "no", "off", "")
+    return bool(value)
 
 # kvtier's labels on vLLM 0.33's vllm:kv_offload_config_info (one series, fixed for the
 # process): where the files are, which fingerprint directory (rank 0's, in GPU-direct mode)
@@ -153,10 +169,29 @@ def sync_load_budget(extra_config: Any) -> int:
 class KvtierOffloadingManager(OffloadingManager):
     """Answers for every worker rank at once: one BlockStore per rank's files (rank 0
     first). A key is stored only where every rank's file is there: a rank's store may be
-    dropped (write queue full, backoff, free-space floor) or its file evicted alone."""
+    dropped (write queue full, backoff, free-space floor) or its file evicted alone.
 
-    def __init__(self, stores: BlockStore | Sequence[BlockStore]) -> None:
+    Never slower than recompute (recompute_bound.py): once kvtier's connector has fed it
+    the engine's prefill rate (`prefill`), a request waits on lookups only while the hit
+    they may find is worth the wait, and loads only where loading beats recomputing (load
+    jobs timed from prepare_load to complete_load, `load_rate`); otherwise it loads the
+    prefix already confirmed and recomputes the rest, counted in
+    kvtier_offload_tier_skipped{reason}. Before the first measured prefill, lookups keep
+    the store's fixed lookup_pending_seconds. recompute_bound=False: that fixed deadline
+    only (tests of the load path on a tiny model, where recompute is nearly free)."""
+
+    def __init__(self, stores: BlockStore | Sequence[BlockStore], tokens_per_key: int = 1,
+                 recompute_bound: bool = True, read_threads: int = 8,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
+        self.tokens_per_key = max(1, tokens_per_key)
+        self.recompute_bound = recompute_bound
+        self.read_threads = max(1, read_threads)  # each worker's, for load estimates
+        self._clock = clock
+        self.prefill = PrefillRate(clock)
+        self.load_rate = Rate()
+        self._waits: OrderedDict[str, RequestWait] = OrderedDict()
+        self._loading: dict[str, tuple[float, int]] = {}  # req id -> (began, tokens)
         # Keys each request has loaded, while its load may have failed. vLLM's
         # complete_load() does not say whether it succeeded: a request that looks up a
         # key it loaded is taken to be back from a failed load (to recompute), and gets a
@@ -175,22 +210,96 @@ class KvtierOffloadingManager(OffloadingManager):
         return all(store.cached(key) for store in self.stores)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if bytes(key) in self._loaded.get(req_context.req_id, ()):
+        raw = bytes(key)
+        if raw in self._loaded.get(req_context.req_id, ()):
             return LookupResult.MISS
+        if not self.recompute_bound:
+            return self._ask_stores(raw, patient=False)
+        end = self._end_token(key, req_context)
+        wait = self._wait_of(req_context.req_id, end)
+        if wait.cut is not None and end > wait.cut:
+            return LookupResult.MISS  # decided: recompute from here
+        measured = self.prefill.per_unit is not None
+        answer = self._ask_stores(raw, patient=measured)
+        if answer is LookupResult.RETRY:
+            reason = stop_waiting(wait, self._clock(), self.prefill,
+                                  self._load_seconds(wait.at_stake),
+                                  self._expected_lookup_wait())
+            if reason is None:
+                return LookupResult.RETRY
+            self._recompute_from(wait, end - self.tokens_per_key, reason)
+            return LookupResult.MISS
+        if answer is LookupResult.HIT:
+            if load_slower(wait.at_stake, self.prefill, self._load_seconds(wait.at_stake)):
+                self._recompute_from(wait, wait.start, LOAD_SLOWER)
+                return LookupResult.MISS
+        return answer
+
+    def _ask_stores(self, key: bytes, patient: bool) -> LookupResult:
         # Ask every rank's store (a hit refreshes that file's atime), so no rank's copy of
         # a promised block looks idle to the evictor; a load that still misses on a rank
         # (evicted meanwhile) becomes a recompute, not an error.
-        answers = [store.lookup(bytes(key)) for store in self.stores]
+        answers = [store.lookup(key, patient) for store in self.stores]
         if False in answers:
             return LookupResult.MISS
         if None in answers:
             return LookupResult.RETRY
         return LookupResult.HIT
 
+    def _end_token(self, key: OffloadKey, req_context: ReqContext) -> int:
+        """The prompt token key's chunk ends at (vLLM records it per request; where it
+        does not, the keys' order of first sight stands in for it)."""
+        position = getattr(req_context, "get_offload_key_position", None)
+        end = position(key) if position is not None else None
+        if end is None:
+            wait = self._waits.get(req_context.req_id)
+            end = (wait.end if wait is not None else 0) + self.tokens_per_key
+        return int(end)
+
+    def _wait_of(self, req_id: str, end: int) -> RequestWait:
+        """The request's wait, started at its first lookup; its span grown to key's."""
+        wait = self._waits.get(req_id)
+        if wait is None:
+            wait = self._waits[req_id] = RequestWait(self._clock(), end - self.tokens_per_key,
+                                                     end)
+            while len(self._waits) > LOADED_REQUESTS:
+                self._waits.popitem(last=False)
+        wait.start = min(wait.start, end - self.tokens_per_key)
+        wait.end = max(wait.end, end)
+        return wait
+
+    def _recompute_from(self, wait: RequestWait, token: int, reason: str) -> None:
+        """Keys ending past token are recomputed; counted once per request."""
+        wait.cut = token if wait.cut is None else min(wait.cut, token)
+        if wait.reason is None:
+            wait.reason = reason
+            self.store.metrics.tier_skipped.labels(reason).inc()
+
+    def _load_seconds(self, tokens: int) -> float | None:
+        """The expected time to load tokens: at the measured load rate; before any load,
+        a round trip of the volume per file on each of the workers' read threads."""
+        measured = self.load_rate.seconds(tokens)
+        if measured is not None:
+            return measured
+        trips = [t for t in (s.stat_seconds() for s in self.stores) if t is not None]
+        if not trips:
+            return None
+        files = -(-tokens // self.tokens_per_key)
+        return max(trips) * -(-files // self.read_threads)
+
+    def _expected_lookup_wait(self) -> float | None:
+        """The longest expected wait for the lookups queued on any rank's files."""
+        waits = [w for w in (s.expected_lookup_wait() for s in self.stores) if w is not None]
+        return max(waits, default=None)
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        self._loading[req_context.req_id] = (self._clock(), len(keys) * self.tokens_per_key)
         return KvtierLoadStoreSpec(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        began = self._loading.pop(req_context.req_id, None)
+        if began is not None:  # what a hit costs the request: submitted to done, queues in
+            self.load_rate.add(self._clock() - began[0], began[1])
         loaded = self._loaded.setdefault(req_context.req_id, set())
         loaded.update(bytes(k) for k in keys)
         self._loaded.move_to_end(req_context.req_id)
@@ -204,6 +313,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._loaded.pop(req_context.req_id, None)
+        self._waits.pop(req_context.req_id, None)
+        self._loading.pop(req_context.req_id, None)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -807,7 +918,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 log.warning("kvtier: KV cache events for the storage medium are not "
                             "published in GPU-direct mode (KvtierOffloadingSpec); GPU "
                             "events are unaffected")
-            self._manager = KvtierOffloadingManager(stores)
+            self._manager = KvtierOffloadingManager(
+                stores, tokens_per_key=self.config.groups[0].tokens_per_block
+                * self.blocks_per_chunk,
+                recompute_bound=_flag(self.extra_config.get("recompute_bound", True)),
+                read_threads=int(self.extra_config.get("n_read_threads", 8)))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -44,9 +44,12 @@ def build_llm(model: str, root: str | None = None, **overrides):
         from tests.helpers import example
 
         rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+        # recompute_bound off: these runs guard the load path, and on this tiny model
+        # recomputing is nearly free, so the bound would (rightly) skip the tier at
+        # random on a loaded machine; tests/e2e/slow_volume.py turns it on.
         extra = rendered["kv_connector_extra_config"] | {
             "root_dir": root, "n_read_threads": 2, "n_write_threads": 2,
-            **overrides.pop("extra", {})}
+            "recompute_bound": False, **overrides.pop("extra", {})}
         kv = KVTransferConfig(**(rendered | overrides | {"kv_connector_extra_config": extra}))
     return LLM(model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
                enforce_eager=True, max_model_len=512, dtype="float32",

@@ -35,7 +35,8 @@ def kv_transfer_config(root: Path) -> dict:
 
     rendered = rendered_config(gpu_direct_tpc())
     extra = rendered["kv_connector_extra_config"] | {
-        "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
+        "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2,
+        "recompute_bound": False}  # see tests/e2e/engine.py's build_llm
     return rendered | {"kv_connector_extra_config": extra}
 
 

@@ -28,8 +28,10 @@ def kv_transfer_json(root: Path, **extra: object) -> str:
     from tests.helpers import example
 
     rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+    # recompute_bound off: see tests/e2e/engine.py's build_llm
     rendered["kv_connector_extra_config"] |= {"root_dir": str(root), "n_read_threads": 2,
-                                              "n_write_threads": 2, **extra}
+                                              "n_write_threads": 2,
+                                              "recompute_bound": False, **extra}
     return json.dumps(rendered)
 
 

@@ -483,3 +483,25 @@ def test_the_candidates_held_stay_under_the_bound_at_two_million_files():
     held, capped, grew_mib, oldest = int(out[0]), out[1], int(out[2]), float(out[3])
     assert held == 200_000 and capped == "True" and oldest == 0.0
     assert grew_mib < 100, f"the selection grew the process by {grew_mib} MiB"
+
+
+def test_the_files_of_one_directory_are_deleted_through_one_open_chain(tmp_path, monkeypatch):
+    """#37: deleting through directory handles must not open the directory chain again
+    for every file (on a network filesystem each open is a round trip): twelve files of
+    one directory, each directory on the way opened once."""
+    from kvtier_evictor import anchored
+
+    leaf = tmp_path / "kvtier" / "v1" / FP / "ab" / "cd"
+    files = [write(leaf / f"abcd{key(i)[4:]}.kvb", U, NOW - 3600 * (i + 1)) for i in range(40)]
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting(path, flags, *args, **kwargs):
+        if flags == anchored._BELOW_FLAGS:
+            opened.append(str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting)
+    report = make_run(tmp_path, capacity=41 * U, threads=1).execute()
+    assert report.files_deleted == 12 and sum(not f.exists() for f in files) == 12
+    assert sorted(opened) == sorted(["kvtier", "v1", FP, "ab", "cd"]), opened

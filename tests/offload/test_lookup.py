@@ -152,3 +152,70 @@ def test_join_is_bounded_by_a_stat_that_never_returns():
     assert time.monotonic() - started < 5
     release.set()
     assert background.join(time.monotonic() + 5) is True
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_patient_key_is_never_overdue_by_age():
+    """The manager's recompute bound decides how long a request waits: a key asked
+    patiently stays pending however long its stat takes (a full queue still refuses)."""
+    release = threading.Event()
+    clock = ManualClock()
+    background = BackgroundLookup(lambda key: release.wait(10), threads=1, queue_limit=1,
+                                  pending_seconds=0.5, clock=clock)
+    try:
+        assert background.ask(A, patient=True) is True
+        clock.now += 60
+        assert background.ask(A, patient=True) is True
+        assert background.ask(A) is False  # the fixed deadline, for a caller without one
+        assert background.ask(B, patient=True) is False  # the queue is full
+    finally:
+        release.set()
+        background.stop()
+        background.join(time.monotonic() + 5)
+
+
+def test_the_expected_wait_is_the_measured_round_trip_per_turn_of_the_threads():
+    """One thread, a stat of 0.3 s (on the fake clock) measured: three keys waiting take
+    three turns; a stat in progress longer than the average raises the estimate at once."""
+    clock = ManualClock()
+    gate = threading.Semaphore(0)
+    done = threading.Semaphore(0)
+
+    def stat(key: bytes) -> None:
+        gate.acquire()
+        clock.now += 0.3
+        done.release()
+
+    background = BackgroundLookup(stat, threads=1, queue_limit=100, pending_seconds=60.0,
+                                  clock=clock)
+    try:
+        assert background.expected_wait() is None  # nothing measured, nothing running
+        background.ask(A)
+        gate.release()
+        assert done.acquire(timeout=5)
+        deadline = time.monotonic() + 5
+        while background.waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert background.stat_seconds() == pytest.approx(0.3)
+        for key in (B, C, b"d" * 8):
+            background.ask(key)
+        deadline = time.monotonic() + 5
+        while background.stat_seconds() == pytest.approx(0.3) and \
+                time.monotonic() < deadline:
+            clock.now += 0.1  # the stat of B hangs: its age passes the average
+            time.sleep(0.01)
+        assert background.stat_seconds() > 0.3
+        assert background.expected_wait() == pytest.approx(
+            background.stat_seconds() * 3, rel=0.01)
+    finally:
+        for _ in range(4):
+            gate.release()
+        background.stop()
+        background.join(time.monotonic() + 5)

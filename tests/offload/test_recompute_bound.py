@@ -1,0 +1,126 @@
+"""The recompute bound's pricing on fake clocks: the engine's prefill rate from its steps,
+and when a request stops waiting for the tier (recompute_bound.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier_offload.recompute_bound import (
+    LOAD_SLOWER,
+    LOOKUP_WAIT,
+    SLACK,
+    PrefillRate,
+    Rate,
+    RequestWait,
+    load_slower,
+    stop_waiting,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def prefill_at(seconds_per_token: float) -> Rate:
+    rate = Rate()
+    rate.add(seconds_per_token, 1)
+    return rate
+
+
+def test_a_prefill_step_is_timed_from_its_scheduling_to_its_output():
+    clock = Clock()
+    rate = PrefillRate(clock)
+    rate.step_scheduled(1000, 1000)
+    clock.now += 0.5
+    rate.step_done()
+    assert rate.seconds(1000) == pytest.approx(0.5)
+
+
+def test_empty_steps_are_not_paired_with_a_later_steps_output():
+    """vLLM hands out an empty step whenever a request's lookups are deferred, and its
+    output comes back only where the connector had work: the next real step is still
+    timed by its own output."""
+    clock = Clock()
+    rate = PrefillRate(clock)
+    for _ in range(3):
+        rate.step_scheduled(0, 0)
+        clock.now += 0.01
+    rate.step_scheduled(200, 200)
+    clock.now += 0.2
+    rate.step_done()
+    assert rate.seconds(200) == pytest.approx(0.2)
+
+
+def test_decode_steps_are_not_prefill_samples():
+    clock = Clock()
+    rate = PrefillRate(clock)
+    rate.step_scheduled(8, 0)  # eight decodes: the step's fixed cost, not prefill
+    clock.now += 0.2
+    rate.step_done()
+    assert rate.seconds(100) is None
+
+
+def test_pipelined_steps_pair_in_order_and_never_overlap():
+    """A scheduler that hands out the next step before the last returns: the second is
+    timed from the first one's end, not from when it was handed out."""
+    clock = Clock()
+    rate = PrefillRate(clock, weight=1.0)
+    rate.step_scheduled(100, 100)
+    rate.step_scheduled(400, 400)
+    clock.now += 0.1
+    rate.step_done()  # the first: 0.1 s for 100 tokens
+    assert rate.seconds(1) == pytest.approx(0.001)
+    clock.now += 0.4
+    rate.step_done()  # the second ran from 100.1 to 100.5: 0.4 s for 400 tokens
+    assert rate.seconds(1) == pytest.approx(0.001)
+    rate.step_done()  # nothing outstanding: no sample, no error
+    assert rate.seconds(1) == pytest.approx(0.001)
+
+
+def test_without_a_prefill_rate_nothing_is_decided():
+    wait = RequestWait(started=0.0, start=0, end=4000)
+    assert stop_waiting(wait, 99.0, Rate(), None, None) is None
+
+
+def test_lookups_wait_while_the_hit_can_still_pay_for_the_wait():
+    """4000 tokens at 1 ms each: recompute costs 4 s, a load 1 s, so waiting up to
+    3 s (plus the slack) can still pay off; past that, recompute."""
+    prefill, load = prefill_at(0.001), 1.0  # seconds to load the 4000 tokens
+    wait = RequestWait(started=10.0, start=0, end=4000)
+    budget = 4.0 - 1.0 + SLACK * 4.0
+    assert stop_waiting(wait, 10.0 + budget - 0.01, prefill, load, None) is None
+    assert stop_waiting(wait, 10.0 + budget + 0.01, prefill, load, None) == LOOKUP_WAIT
+
+
+def test_a_volume_slower_than_the_budget_is_given_up_at_once():
+    """The volume's measured round trips say the answers come after recompute would
+    be done: stop now rather than wait for the budget to run out."""
+    prefill, load = prefill_at(0.001), None
+    wait = RequestWait(started=10.0, start=0, end=200)  # recompute: 0.2 s
+    assert stop_waiting(wait, 10.0, prefill, load, expected_wait=0.5) == LOOKUP_WAIT
+    assert stop_waiting(wait, 10.0, prefill, load, expected_wait=0.05) is None
+
+
+def test_a_load_slower_than_recompute_is_skipped_even_when_every_key_is_there():
+    prefill = prefill_at(0.001)
+    assert load_slower(1000, prefill, 2.0)
+    wait = RequestWait(started=10.0, start=0, end=1000)
+    assert stop_waiting(wait, 10.0, prefill, 2.0, expected_wait=0.0) == LOAD_SLOWER
+    assert not load_slower(1000, prefill, 0.5)
+    assert not load_slower(1000, prefill, None)  # loads unmeasured: no verdict
+
+
+def test_the_budget_grows_with_the_tokens_at_stake():
+    """The same wait that is too long for a short prompt is worth it for a long one."""
+    prefill, load = prefill_at(0.001), None
+    short = RequestWait(started=0.0, start=0, end=100)
+    long = RequestWait(started=0.0, start=0, end=10_000)
+    assert stop_waiting(short, 0.5, prefill, load, None) == LOOKUP_WAIT
+    assert stop_waiting(long, 0.5, prefill, load, None) is None
+    partly_computed = RequestWait(started=0.0, start=9_900, end=10_000)
+    assert partly_computed.at_stake == 100
+    assert stop_waiting(partly_computed, 0.5, prefill, load, None) == LOOKUP_WAIT
