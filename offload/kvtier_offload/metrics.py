@@ -82,6 +82,14 @@ DEFINITIONS = {d.name: d for d in (
     Definition("Gauge", "kvtier_offload_queue_depth",
                "Block operations submitted and not yet finished", (TIER, "direction"),
                multiprocess_mode="livesum"),
+    # A tier bounded inside the backend (the local disk's capacity): its bound and what
+    # its block files take now, so status can say how full it is.
+    Definition("Gauge", "kvtier_offload_capacity_bytes",
+               "The most bytes this tier's block files may take (a bounded tier)", (TIER,),
+               multiprocess_mode="max"),
+    Definition("Gauge", "kvtier_offload_used_bytes",
+               "Bytes this tier's block files take now, with writes in flight (a bounded "
+               "tier)", (TIER,), multiprocess_mode="livesum"),
 )}
 
 
@@ -291,6 +299,8 @@ class Metrics:
         self.queue_depth = get("kvtier_offload_queue_depth")
         self.native = get("kvtier_offload_native")
         self.tier_skipped = get("kvtier_offload_tier_skipped")
+        self.capacity = get("kvtier_offload_capacity_bytes").labels()
+        self.used = get("kvtier_offload_used_bytes").labels()
         # Children of the hot path, resolved once: labels() costs a lock and a dict lookup.
         self.store_ok = self.operations.labels("store", "ok")
         self.load_ok = self.operations.labels("load", "ok")

@@ -323,6 +323,16 @@ class BlockStore:
                        self._background.pending_seconds)
         return False
 
+    def bounded_usage(self) -> tuple[int, int] | None:
+        """(bytes the block files take with writes in flight, the capacity) of a tier
+        bounded inside the backend (capacity_bytes); None for an unbounded one (the
+        shared volume, which the evictor holds to its watermarks)."""
+        files = self._files
+        if not isinstance(files, BoundedFiles):
+            return None
+        used, claimed = files.usage()
+        return used + claimed, files.limit
+
     def cached(self, key: bytes) -> bool | None:
         """The lookup cache's answer for key, never a stat: None where it has none."""
         return self._lookups.get(key) if key_fits(key) else None

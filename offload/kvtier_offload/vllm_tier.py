@@ -235,6 +235,10 @@ class KvtierStorageTier(SecondaryTierManager):
             OffloadingConnectorStats,
         )
 
+        usage = self.store.bounded_usage()
+        if usage is not None:  # how full a bounded tier is, each time vLLM asks
+            self.store.metrics.used.set(usage[0])
+            self.store.metrics.capacity.set(usage[1])
         counts, gauges, observed = self._recorder.take()
         if not (counts or observed or gauges):
             return None

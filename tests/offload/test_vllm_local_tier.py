@@ -95,6 +95,14 @@ def test_a_bounded_local_tier_before_the_shared_one(tmp_path):
         assert wait_jobs(near, 1)[100].success and wait_jobs(far, 1)[101].success
         assert np.array_equal(view[20:24], original[6:])
         assert np.array_equal(view[24:30], original[:6])
+        # How full the bounded tier is reaches vLLM's stats (and so /metrics and status),
+        # under the tier's own label; the unbounded shared tier says nothing of the kind.
+        gauges = near.get_stats().data["data"]
+        assert gauges["kvtier_offload_capacity_bytes"] == {("localDisk",): 4 * block_file_bytes(row)}
+        assert gauges["kvtier_offload_used_bytes"] == {("localDisk",): files.usage()[0]} != {
+            ("localDisk",): 0}
+        far_stats = far.get_stats()
+        assert far_stats is None or "kvtier_offload_used_bytes" not in far_stats.data["data"]
     finally:
         manager.shutdown()
 

@@ -289,6 +289,25 @@ def test_each_kvtier_tier_reads_its_own_series_never_their_sum():
     assert only.counters[("hit_tokens", "objectStore")] == 300
 
 
+def test_a_bounded_tier_says_how_full_it_is():
+    """The local disk's capacity and use (kvtier_offload_capacity_bytes / _used_bytes,
+    as tests/offload/test_vllm_local_tier.py sees the tier export them) become its
+    capacity and used percent in status; the shared tier, unbounded, gets neither."""
+    from kvtier_operator.engines.vllm.metrics import read
+    from kvtier_operator.observe.page import parse
+
+    page = PAGE_THREE_TIERS + (
+        "# TYPE kvtier_offload_capacity_bytes gauge\n"
+        'kvtier_offload_capacity_bytes{tier="localDisk"} 8000\n'
+        "# TYPE kvtier_offload_used_bytes gauge\n"
+        'kvtier_offload_used_bytes{tier="localDisk"} 2000\n')
+    f = read(parse(page, 20000).samples, ("cpu", "localDisk", "storage"))
+    assert f.gauges[("capacity_bytes", "localDisk")] == 8000
+    assert f.gauges[("used_percent", "localDisk")] == 25.0
+    assert ("capacity_bytes", "storage") not in f.gauges
+    assert ("used_percent", "storage") not in f.gauges
+
+
 def test_a_backend_without_the_tier_label_counts_as_the_shared_tier():
     from kvtier_operator.engines.vllm.metrics import read
     from kvtier_operator.observe.page import parse

@@ -68,7 +68,7 @@ FAMILIES = frozenset({
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
     "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
-    "kvtier_offload_corrupt_files",
+    "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
 })
 
 
@@ -167,6 +167,13 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
         f.histograms[(LOAD_SECONDS, tier)] = hist
+    # A tier bounded inside the backend (the local disk) says how full it is.
+    capacity = total(samples, "kvtier_offload_capacity_bytes")
+    used = total(samples, "kvtier_offload_used_bytes")
+    if capacity:
+        f.gauges[(CAPACITY_BYTES, tier)] = capacity
+        if used is not None:
+            f.gauges[(USED_PERCENT, tier)] = 100.0 * used / capacity
 
 
 def _cpu_tier_info(samples: Samples) -> Labels | None:
