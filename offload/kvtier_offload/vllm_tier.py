@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.metrics import DEFINITIONS, Metrics, Recorder
+from kvtier_offload.tier_events import TierEvents
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -102,13 +103,10 @@ class KvtierStorageTier(SecondaryTierManager):
                 capacity_bytes, self.block_size_bytes),
         ), metrics=Metrics(self._recorder))
         self.store.layout.write_config(config)
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                log.warning("enable_kv_events is set on tier %s but KV cache events are "
-                            "off globally; no events", tier_type)
+        self.events = TierEvents.configured(offloading_spec, tier_type, enable_kv_events,
+                                            self.medium, self.locality)
+        if self.events is not None:
+            self.store.removals = self.events.removals
         log.info("kvtier tier at %s (fingerprint %s, O_DIRECT %s, %d+%d threads)",
                  self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
                  n_read_threads, n_write_threads)
@@ -158,11 +156,8 @@ class KvtierStorageTier(SecondaryTierManager):
                                          transfer_bytes=len(ok) * self.block_size_bytes))
                 continue
             if outcome.kind == "store" and self.events is not None:
-                stored = [OffloadKey(k) for k, good in zip(outcome.keys, outcome.ok,
-                                                           strict=True) if good]
-                if stored:
-                    self.events.append(OffloadingEvent(keys=stored, medium=self.medium,
-                                                       removed=False, locality=self.locality))
+                self.events.stored(k for k, good in zip(outcome.keys, outcome.ok,
+                                                        strict=True) if good)
             results.append(JobResult(job_id=outcome.job_id, success=outcome.success,
                                      transfer_time=outcome.seconds,
                                      transfer_bytes=outcome.nbytes))
@@ -172,10 +167,9 @@ class KvtierStorageTier(SecondaryTierManager):
         return self.store.pending_jobs() > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self.events:
-            out, self.events = self.events, []
-            return out
-        return ()
+        """BlockStored for the files written, BlockRemoved for those this tier removed
+        (corrupt, or evicted by its capacity bound), in vLLM's events (tier_events)."""
+        return self.events.take() if self.events is not None else ()
 
     def drain_jobs(self) -> None:
         self.store.drain()

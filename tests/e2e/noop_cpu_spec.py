@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 class NoopWorker(OffloadingWorker):
@@ -31,6 +32,17 @@ class NoopWorker(OffloadingWorker):
 
 
 class NoopCpuOffloadingSpec(CPUOffloadingSpec):
+    def get_worker(self, kv_caches):
+        if not self._worker:
+            self._worker = NoopWorker()
+        return self._worker
+
+
+class NoopTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's tiered spec (its CPU-tier manager and the secondary tiers, real) with the
+    same CPU-tier worker that moves no data: the secondary tiers store what the CPU
+    region holds, which is enough for their events, never for tokens."""
+
     def get_worker(self, kv_caches):
         if not self._worker:
             self._worker = NoopWorker()

@@ -21,7 +21,7 @@ from kvtier_offload.vllm_tier import KvtierStorageTier  # noqa: E402
 from tests.offload.test_vllm_tier import PAGE, job, wait_jobs  # noqa: E402
 
 
-def spec_with(tiers: list[dict]) -> TieringOffloadingSpec:
+def spec_with(tiers: list[dict], events: bool = False) -> TieringOffloadingSpec:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -33,7 +33,7 @@ def spec_with(tiers: list[dict]) -> TieringOffloadingSpec:
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
                                       group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": 32 * PAGE * 4, "block_size": 64,
                       "secondary_tiers": tiers},
         engine_id=f"local-{os.getpid()}-{time.monotonic_ns()}",
@@ -110,3 +110,24 @@ def test_the_local_tier_refuses_a_bad_capacity_by_name(tmp_path, capacity, messa
         del tier["capacity_bytes"]
     with pytest.raises(ValueError, match=message):
         spec_with([tier]).get_manager()
+
+
+def test_the_blocks_the_local_tier_evicts_are_announced_removed(tmp_path):
+    """KV events on: what the bound makes the tier evict reaches vLLM as removed (LOCAL)."""
+    row = 4 * PAGE
+    manager = spec_with([local(tmp_path / "nvme", 2 * block_file_bytes(row))
+                         | {"enable_kv_events": True}], events=True).get_manager()
+    try:
+        (near,) = manager.secondary_tiers
+        assert near.store.files.ready.wait(10)
+        keys = [bytes([i + 1]) * 32 + b"\0\0\0\0" for i in range(5)]
+        for n, key in enumerate(keys):
+            near.submit_store(job(n, [key], [n]))
+            assert wait_jobs(near, 1)[n].success
+        events = list(near.take_events())
+        stored = [k for e in events if not e.removed for k in e.keys]
+        removed = [k for e in events if e.removed for k in e.keys]
+        assert stored == keys and removed == keys[:3]
+        assert all(e.locality is Locality.LOCAL for e in events)
+    finally:
+        manager.shutdown()
