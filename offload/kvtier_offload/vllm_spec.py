@@ -232,6 +232,8 @@ class KvtierOffloadingManager(OffloadingManager):
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """These requests' loads may have failed (kvtier's connector): the worker removed
         what it refused, so their keys are looked at again (KV events: removed)."""
+        if self.events is None:
+            return
         for req_id in req_ids:
             self._look_again(self._loaded.get(req_id, ()))
 
