@@ -6,11 +6,11 @@ COPY pyproject.toml README.md ./
 COPY operator operator
 COPY offload offload
 COPY evictor evictor
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[operator]'
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[operator,events]'
 
 FROM python:3.11.7-slim-bookworm
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels 'kvtier[operator]' \
+RUN pip install --no-cache-dir --no-index --find-links /wheels 'kvtier[operator,events]' \
     && rm -rf /wheels
 USER 65532:65532
 ENTRYPOINT ["kvtier"]

@@ -43,6 +43,7 @@ FAST_DIRS = ("tests/operator/unit/", "tests/operator/webhook/", "tests/offload/"
 SLOW_DIRS = ("tests/operator/integration/", "tests/chart/", "tests/e2e/", "tests/netfs/",
              "tests/operator/engines/", "tests/offload/gpu/", "tests/s3/")
 SLOW_MODULES = (
+    "tests/evictor/test_events.py",  # imports vLLM (its event classes); live sockets
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_worker_contract.py",
     "tests/offload/test_vllm032_shim.py",

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"exit 0 for {FREED} as well as {NOTHING_TO_DO}")
     p.add_argument("--events-endpoint", default=None,
                    help="publish BlockRemoved (vLLM's KV-events wire format) for every "
-                   "block file deleted to this ZMQ endpoint, e.g. tcp://epp:5558 (needs "
-                   "pyzmq); failures are counted in the report, never fail the run")
+                   "block file deleted to this ZMQ endpoint, e.g. tcp://epp:5558, once a "
+                   "subscriber there subscribed (needs kvtier[events]); failures are "
+                   "counted in the report, never fail the run")
     p.add_argument("--events-topic", default="kv@kvtier@model",
                    help="the events' ZMQ topic, kv@<identity>@<model>")
     p.add_argument("-v", "--verbose", action="store_true")

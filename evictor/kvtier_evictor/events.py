@@ -1,29 +1,38 @@
 """BlockRemoved for the block files the evictor deletes, in vLLM's KV-events wire format,
 so that a router indexing KV events (llm-d's precise prefix-cache scorer) forgets them.
 
-Wire format (vllm/distributed/kv_events.py, 0.24+): ZMQ PUB frames
-[topic, sequence (8 bytes big-endian), msgpack(KVEventBatch)], the batch an array
-[timestamp, [events]], each event a map tagged "type": {"type": "BlockRemoved",
-"block_hashes": [...], "medium": "STORAGE"}. Block hashes are what vLLM announces for a
-block: the last 8 bytes of its hash as an unsigned int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+Wire format (vllm/distributed/kv_events.py, 0.24+): ZMQ frames [topic, sequence (8 bytes
+big-endian), msgpack(KVEventBatch)], the batch an array [timestamp, [events]], each
+event a map tagged "type": {"type": "BlockRemoved", "block_hashes": [...], "medium":
+"STORAGE", "group_idx": g}. Block hashes are what vLLM announces for a block: the last 8
+bytes of its hash as an unsigned int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), one event per
+KV cache group, as vLLM's own offloading events (OffloadingEventsTracker) send them.
 
-File name to block hash, per layout:
+File name to (block hash, group), per layout:
 - kvtier: <key hex>.kvb, key = vLLM's OffloadKey = block hash + 4-byte group index;
 - vllm-fs: <block hash hex>.bin (64 hex digits for sha256) under <hh>_g<group>/.
 Any other name (another layout, a short key) is ignored and counted.
 
-Only the stdlib encodes (the msgpack subset events need, below); pyzmq is imported only
-when publishing is configured (--events-endpoint): the evictor's image and its tests run
-without it otherwise. Publishing never blocks or fails eviction: the socket never waits
-(a send that would block is dropped), the connection wait and close are bounded, and
-every failure is counted in the report.
+Delivery. The router's subscriber binds (llm-d-router pkg/kvevents/zmq_subscriber.go,
+the producer's zmqEndpoint) and the evictor connects to it. A ZMQ subscription travels
+after the connection, and a publisher drops what it sends before one has arrived (the
+"slow joiner"), so the evictor publishes from an XPUB socket: it sees the subscriptions
+themselves, waits (bounded) for one that matches its topic before the first send, and
+keeps reading them, so an unsubscribe or a lost subscriber stops the sends. With
+XPUB_NODROP a full queue (a subscriber that never reads) refuses a send instead of
+dropping it silently, so every hash is counted: published (accepted by the socket for a
+subscribed peer) or dropped.
+
+pyzmq and msgspec (vLLM's own encoder for these events; `kvtier[events]`) are imported
+only when publishing is configured (--events-endpoint); the evictor's other paths and
+the name mapping run on the stdlib. Publishing never blocks or fails eviction: sends
+never wait, the subscription wait and the close are bounded, every failure is counted.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import struct
 import threading
 import time
 from typing import Any
@@ -32,82 +41,24 @@ log = logging.getLogger("kvtier_evictor")
 
 MEDIUM = "STORAGE"  # what vLLM's file tiers announce (0.27+); the router lowercases it
 BATCH = 256  # block hashes per event
-CONNECT_WAIT_SECONDS = 2.0
-SUBSCRIPTION_SETTLE_SECONDS = 1.5
+SUBSCRIBER_WAIT_SECONDS = 2.0  # before eviction starts: a subscriber's subscription
 LINGER_MS = 1000  # close waits at most this long for queued events to leave
-SEND_HWM = 10_000  # messages queued per peer; beyond it a send is dropped, never waits
+SEND_HWM = 10_000  # messages queued per peer; beyond it a send is refused, never waits
 _MASK = (1 << 64) - 1
 _KVTIER_NAME = re.compile(r"([0-9a-f]+)\.kvb\Z")
 _VLLM_FS_NAME = re.compile(r"([0-9a-f]+)\.bin\Z")
+_VLLM_FS_GROUP_DIR = re.compile(r"[0-9a-f]+_g([0-9]+)\Z")
 OFFLOAD_KEY_GROUP_BYTES = 4  # vLLM make_offload_key: hash + group_idx.to_bytes(4, "big")
-
-
-# ----------------------------------------------------------------- msgpack
-
-def packb(obj: Any) -> bytes:
-    """msgpack for None, bool, int (64-bit), float, str, bytes, list/tuple, dict."""
-    out = bytearray()
-    _pack(obj, out)
-    return bytes(out)
-
-
-def _pack(obj: Any, out: bytearray) -> None:
-    if obj is None:
-        out.append(0xC0)
-    elif obj is True:
-        out.append(0xC3)
-    elif obj is False:
-        out.append(0xC2)
-    elif isinstance(obj, int):
-        if 0 <= obj < 0x80:
-            out.append(obj)
-        elif -32 <= obj < 0:
-            out.append(obj & 0xFF)
-        elif 0 <= obj <= 0xFFFFFFFFFFFFFFFF:
-            out += b"\xcf" + struct.pack(">Q", obj)
-        elif -(1 << 63) <= obj < 0:
-            out += b"\xd3" + struct.pack(">q", obj)
-        else:
-            raise OverflowError(f"{obj} does not fit msgpack's 64 bits")
-    elif isinstance(obj, float):
-        out += b"\xcb" + struct.pack(">d", obj)
-    elif isinstance(obj, str):
-        data = obj.encode()
-        _header(len(data), out, 0xA0, 31, 0xD9, 0xDA, 0xDB)
-        out += data
-    elif isinstance(obj, (bytes, bytearray)):
-        _header(len(obj), out, None, 0, 0xC4, 0xC5, 0xC6)
-        out += obj
-    elif isinstance(obj, (list, tuple)):
-        _header(len(obj), out, 0x90, 15, None, 0xDC, 0xDD)
-        for item in obj:
-            _pack(item, out)
-    elif isinstance(obj, dict):
-        _header(len(obj), out, 0x80, 15, None, 0xDE, 0xDF)
-        for key, value in obj.items():
-            _pack(key, out)
-            _pack(value, out)
-    else:
-        raise TypeError(f"cannot encode {type(obj).__name__}")
-
-
-def _header(n: int, out: bytearray, fix: int | None, fix_max: int, b8: int | None,
-            b16: int, b32: int) -> None:
-    if fix is not None and n <= fix_max:
-        out.append(fix | n)
-    elif b8 is not None and n <= 0xFF:
-        out += bytes((b8, n))
-    elif n <= 0xFFFF:
-        out += bytes((b16,)) + struct.pack(">H", n)
-    else:
-        out += bytes((b32,)) + struct.pack(">I", n)
+SUBSCRIBE, UNSUBSCRIBE = 1, 0  # the first byte of an XPUB's subscription message
 
 
 # ------------------------------------------------------------- names to hashes
 
-def block_hash(layout: str, name: str) -> int | None:
-    """The hash vLLM announced for the block in this file (64-bit int), or None where the
-    name is not one of the layout's block names with a full hash."""
+def block_id(layout: str, path: str) -> tuple[int, int] | None:
+    """(the hash vLLM announced for the block in this file as a 64-bit int, its KV cache
+    group), or None where the name is not one of the layout's block names with a full
+    hash."""
+    parent, _, name = path.rpartition("/")
     if layout == "kvtier":
         m = _KVTIER_NAME.fullmatch(name)
         if m is None or len(m.group(1)) % 2:
@@ -115,30 +66,36 @@ def block_hash(layout: str, name: str) -> int | None:
         key = bytes.fromhex(m.group(1))
         if len(key) < 8 + OFFLOAD_KEY_GROUP_BYTES:
             return None
-        return int.from_bytes(key[:-OFFLOAD_KEY_GROUP_BYTES][-8:], "big") & _MASK
+        block, group = key[:-OFFLOAD_KEY_GROUP_BYTES], key[-OFFLOAD_KEY_GROUP_BYTES:]
+        return int.from_bytes(block[-8:], "big") & _MASK, int.from_bytes(group, "big")
     if layout == "vllm-fs":
         m = _VLLM_FS_NAME.fullmatch(name)
-        if m is None or len(m.group(1)) % 2 or len(m.group(1)) < 16:
+        g = _VLLM_FS_GROUP_DIR.fullmatch(parent.rpartition("/")[2])
+        if m is None or g is None or len(m.group(1)) % 2 or len(m.group(1)) < 16:
             return None
-        return int.from_bytes(bytes.fromhex(m.group(1))[-8:], "big") & _MASK
+        return int.from_bytes(bytes.fromhex(m.group(1))[-8:], "big") & _MASK, int(g.group(1))
     return None
 
 
-def batch_payload(hashes: list[int], ts: float) -> bytes:
-    event = {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM}
-    return packb([ts, [event]])
+def batch_payload(hashes: list[int], group: int, ts: float) -> bytes:
+    """One KVEventBatch holding one BlockRemoved (msgspec: what vLLM encodes with)."""
+    import msgspec
+
+    event = {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM,
+             "group_idx": group}
+    return msgspec.msgpack.encode([ts, [event]])
 
 
 # ------------------------------------------------------------------ publisher
 
 class Publisher:
     """Collects the block files deleted (from any thread) and publishes their removal in
-    batches. Counters: published (block hashes handed to the socket), dropped (hashes
-    whose send failed or that were never sent: no pyzmq, no connection), ignored (names
-    outside the layout's mapping)."""
+    batches. Counters: published (block hashes accepted by the socket for a subscribed
+    peer), dropped (hashes not sent: no pyzmq or msgspec, no subscriber, a full queue),
+    ignored (names outside the layout's mapping)."""
 
     def __init__(self, endpoint: str, topic: str, layout: str,
-                 connect_wait: float = CONNECT_WAIT_SECONDS) -> None:
+                 subscriber_wait: float = SUBSCRIBER_WAIT_SECONDS) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode()
         self.layout = layout
@@ -146,94 +103,102 @@ class Publisher:
         self.dropped = 0
         self.ignored = 0
         self.problem = ""
-        self._pending: list[int] = []
+        self._pending: dict[int, list[int]] = {}  # group -> hashes
         self._seq = 0
         self._lock = threading.Lock()
         self._socket: Any = None
-        self._monitor: Any = None
         self._zmq: Any = None
-        self.connected = False
-        self._connect(connect_wait)
+        self._prefixes: set[bytes] = set()  # the subscriptions the peers sent
+        self._open(subscriber_wait)
 
-    def _connect(self, wait: float) -> None:
-        try:
-            import zmq  # optional: only when publishing is configured
-        except ImportError:
-            self.problem = "pyzmq is not installed: no KV events published"
-            log.warning("kvtier-evictor: %s", self.problem)
+    @property
+    def subscribed(self) -> bool:
+        return any(self.topic.startswith(p) for p in self._prefixes)
+
+    def _open(self, wait: float) -> None:
+        try:  # optional: only when publishing is configured
+            import msgspec  # noqa: F401
+            import zmq
+        except ImportError as err:
+            self._fail(f"{err.name} is not installed (kvtier[events]): no KV events published")
             return
         try:
-            ctx: Any = zmq.Context.instance()
-            sock = ctx.socket(zmq.PUB)
+            sock: Any = zmq.Context.instance().socket(zmq.XPUB)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
-            monitor = sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue refuses: counted, not lost
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a completed connection
             sock.connect(self.endpoint)
         except zmq.ZMQError as err:
-            self.problem = f"cannot publish to {self.endpoint}: {err}"
-            log.warning("kvtier-evictor: %s", self.problem)
+            self._fail(f"cannot publish to {self.endpoint}: {err}")
             return
         self._zmq = zmq
         self._socket = sock
-        self._monitor = monitor
         deadline = time.monotonic() + wait
-        while not self.connected and time.monotonic() < deadline:
-            if monitor.poll(int(max(deadline - time.monotonic(), 0) * 1000) + 1):
-                self._events()
-        if self.connected:
-            # A subscriber's subscription travels after the connection: events sent
-            # before it arrives are filtered out by the PUB socket (ZMQ's slow joiner).
-            time.sleep(SUBSCRIPTION_SETTLE_SECONDS)
-        else:
-            self.problem = f"no connection to {self.endpoint} within {wait:g}s"
-            log.warning("kvtier-evictor: %s (events sent once it connects)", self.problem)
+        while not self.subscribed:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                break
+            self._read_subscriptions()
+        if not self.subscribed:
+            self._fail(f"no subscriber for {self.topic.decode(errors='replace')!r} at "
+                       f"{self.endpoint} within {wait:g}s (sent once one subscribes)")
 
-    def _events(self) -> None:
-        """Read the connection's state from the monitor (never waits)."""
-        from zmq.utils.monitor import recv_monitor_message
+    def _fail(self, problem: str) -> None:
+        if not self.problem:
+            self.problem = problem
+            log.warning("kvtier-evictor: %s", problem)
 
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            self.connected = event == self._zmq.EVENT_CONNECTED
+    def _read_subscriptions(self) -> None:
+        """Take the (un)subscriptions the peers sent so far (never waits)."""
+        zmq = self._zmq
+        while True:
+            try:
+                message = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == bytes((SUBSCRIBE,)):
+                self._prefixes.add(message[1:])
+            elif message[:1] == bytes((UNSUBSCRIBE,)):
+                self._prefixes.discard(message[1:])
 
     def removed(self, path: str) -> None:
         """A block file was deleted (any thread)."""
-        h = block_hash(self.layout, path.rsplit("/", 1)[-1])
+        found = block_id(self.layout, path)
         with self._lock:
-            if h is None:
+            if found is None:
                 self.ignored += 1
                 return
-            self._pending.append(h)
-            if len(self._pending) >= BATCH:
-                self._flush_locked()
+            block, group = found
+            hashes = self._pending.setdefault(group, [])
+            hashes.append(block)
+            if len(hashes) >= BATCH:
+                self._flush_locked(group)
 
-    def _flush_locked(self) -> None:
-        hashes, self._pending = self._pending, []
+    def _flush_locked(self, group: int) -> None:
+        hashes = self._pending.pop(group, [])
         if not hashes:
             return
         if self._socket is not None:
-            self._events()
-        if self._socket is None or not self.connected:  # a PUB would drop them silently
+            self._read_subscriptions()
+        if self._socket is None or not self.subscribed:  # XPUB would filter them out
             self.dropped += len(hashes)
             return
-        frames = [self.topic, self._seq.to_bytes(8, "big"), batch_payload(hashes, time.time())]
+        frames = [self.topic, self._seq.to_bytes(8, "big"),
+                  batch_payload(hashes, group, time.time())]
         try:
             self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK)
-        except self._zmq.ZMQError as err:  # Again: no peer or the peer's queue is full
+        except self._zmq.ZMQError as err:  # Again: the subscriber's queue is full
             self.dropped += len(hashes)
-            if not self.problem:
-                self.problem = f"dropped events: {err}"
+            self._fail(f"dropped events: {err}")
             return
         self._seq += 1
         self.published += len(hashes)
 
     def close(self) -> None:
         with self._lock:
-            self._flush_locked()
+            for group in list(self._pending):
+                self._flush_locked(group)
             if self._socket is not None:
-                self._socket.disable_monitor()
-                self._monitor.close(0)
                 self._socket.close()  # waits at most LINGER_MS for queued events
                 self._socket = None

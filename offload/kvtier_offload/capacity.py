@@ -92,10 +92,12 @@ class BoundedFiles(BlockFiles):
     removed outside it."""
 
     def __init__(self, layout: Layout, limit: int,
-                 forget: Callable[[bytes], None] | None = None) -> None:
+                 forget: Callable[[bytes], None] | None = None,
+                 removed: Callable[[list[bytes]], None] | None = None) -> None:
         super().__init__(layout, direct=False)
         self.limit = limit
         self._forget = forget
+        self._removed = removed
         self._lock = threading.Lock()
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._stale: deque[tuple[str, int]] = deque()  # (path below root, bytes): first out
@@ -204,6 +206,8 @@ class BoundedFiles(BlockFiles):
             self.stuck_bytes += stuck
             self.evicted_blocks += len(keys)
             self.evicted_bytes += freed
+        if keys and self._removed is not None:
+            self._removed(keys)
 
     def _used_now(self, key: bytes) -> None:
         with self._lock:

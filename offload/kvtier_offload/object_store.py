@@ -47,6 +47,7 @@ from kvtier_offload.jobs import Job, JobOutcome, JobTable, time_left
 from kvtier_offload.layout import FORMAT_DIR, SUFFIX, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
 from kvtier_offload.metrics import Metrics
+from kvtier_offload.removals import Removals
 from kvtier_offload.write_admission import WriteAdmission
 
 log = logging.getLogger("kvtier_offload")
@@ -182,6 +183,7 @@ class ObjectStore:
         self.cfg = config
         self.layout = ObjectLayout(config.bucket, config.prefix.strip("/"), config.fingerprint)
         self.metrics = metrics or Metrics()
+        self.removals: Removals | None = None  # the objects removed, for KV events
         self.client = client if client is not None else make_client(config)
         self._logged: set[str] = set()
         self._jobs = JobTable(self.metrics.in_queue)
@@ -351,6 +353,8 @@ class ObjectStore:
             self.metrics.corrupt.labels(bad.reason).inc()
             self._lookups.remember((key,), False)
             removed = self._delete(name)
+            if removed and self.removals is not None:
+                self.removals.add([key])  # BlockRemoved, where the tier has KV events
             self._log_once(f"bad-{bad.reason}", "kvtier refused object %s (%s); %s, vLLM "
                            "recomputes", name, bad,
                            "deleted it" if removed else "could not delete it")

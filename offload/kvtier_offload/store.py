@@ -30,7 +30,6 @@ import logging
 import os
 import stat
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +48,7 @@ from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
 from kvtier_offload.metrics import Metrics, observe_all
 from kvtier_offload.probes import file_seconds, probe_o_direct
+from kvtier_offload.removals import Removals
 from kvtier_offload.write_admission import WriteAdmission
 
 __all__ = ["BATCH_BYTES", "MEMORY_SPEED_SECONDS", "PIECE", "WAIT_SECONDS", "BlockStore",
@@ -169,9 +169,9 @@ class BlockStore:
         self.cfg = config
         self.layout = Layout(config.root, config.fingerprint)
         self.metrics = metrics or Metrics()
-        # Keys a capacity bound evicted, for a host that announces removals (the vLLM
-        # tier's KV events); None: nobody listens. Appended from I/O threads.
-        self.evictions: deque[bytes] | None = None
+        # The block files this store removes (corrupt, or evicted by a bounded tier), for
+        # the KV events of a tier that publishes them (vllm_tier, tier_events).
+        self.removals: Removals | None = None
         if not payload_digest.AVAILABLE:
             self.metrics.native.labels("no-digest").set(0)
             message = (f"kvtier block store cannot start: no XXH3-64 digest to verify blocks "
@@ -183,7 +183,8 @@ class BlockStore:
         self._files: BlockFiles
         if config.capacity_bytes:  # an evicted block must stop being a cached lookup hit
             self._files = BoundedFiles(self.layout, config.capacity_bytes,
-                                       forget=self._evicted)
+                                       forget=lambda key: self.forget(key),
+                                       removed=self._removed)
         else:
             self._files = BlockFiles(self.layout, direct=False)
         try:
@@ -348,16 +349,14 @@ class BlockStore:
             out.append(cached if cached is not None else self._stat_key(key))
         return out
 
+    def _removed(self, keys: list[bytes]) -> None:
+        """Block files this store removed: kept for KV events where a tier asked."""
+        if self.removals is not None:
+            self.removals.add(keys)
+
     def forget(self, key: bytes) -> None:
         if key_fits(key):  # else never cached
             self._lookups.forget(key)
-
-    def _evicted(self, key: bytes) -> None:
-        """The capacity bound is removing this block: no cached hit may name it, and a
-        listener hears of it."""
-        self.forget(key)
-        if self.evictions is not None:
-            self.evictions.append(key)
 
     # ------------------------------------------------------------------- jobs
 
@@ -678,6 +677,8 @@ class BlockStore:
         except BadBlock as bad:
             self.metrics.corrupt.labels(bad.reason).inc()
             removed = self._files.remove_bad(path, bad)
+            if removed:
+                self._removed([key])
             self._log_once(f"bad-{bad.reason}", "kvtier refused block file %s (%s); %s, "
                            "vLLM recomputes", path, bad,
                            "removed it" if removed else "could not remove it")

@@ -195,11 +195,15 @@ class KvtierOffloadingConnector(OffloadingConnector):
         # well, so a preempted one may hit those blocks again (a step with an error
         # keeps every request of it a miss for what it loaded: safe, not exact).
         manager = self.connector_scheduler.manager if self.connector_scheduler else None
-        succeeded = getattr(manager, "loads_succeeded", None)
-        if succeeded is None or connector_output.invalid_block_ids or \
-                connector_output.failed_recving:
+        if connector_output.invalid_block_ids or connector_output.failed_recving:
+            failed = getattr(manager, "loads_failed", None)
+            if failed is not None:  # what the worker refused is gone: KV events
+                failed(set(connector_output.finished_recving or ()) |
+                       set(connector_output.failed_recving or ()))
             return
-        succeeded(connector_output.finished_recving or ())
+        succeeded = getattr(manager, "loads_succeeded", None)
+        if succeeded is not None:
+            succeeded(connector_output.finished_recving or ())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_transfer_results(), in the same step: the errors of

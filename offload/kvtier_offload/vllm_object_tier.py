@@ -20,11 +20,12 @@ import logging
 from typing import Any, ClassVar
 
 import numpy as np
-from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
+from vllm.v1.kv_offload.base import Locality, Medium
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvtier_offload.layout import fingerprint
 from kvtier_offload.metrics import Metrics, Recorder
+from kvtier_offload.tier_events import TierEvents
 from kvtier_offload.vllm_tier import KvtierStorageTier, fingerprint_config
 
 log = logging.getLogger("kvtier_offload")
@@ -80,12 +81,9 @@ class KvtierObjectTier(KvtierStorageTier):
         if prefix is not None:
             settings.prefix = prefix
         self.store = ObjectStore(settings, metrics=Metrics(self._recorder, self.metrics_tier))  # type: ignore[assignment]
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                log.warning("enable_kv_events is set on tier %s but KV cache events are "
-                            "off globally; no events", tier_type)
+        self.events = TierEvents.configured(offloading_spec, tier_type, enable_kv_events,
+                                            self.medium, self.locality)
+        if self.events is not None:
+            self.store.removals = self.events.removals
         log.info("kvtier object tier at %s (fingerprint %s, %d requests at most)",
                  self.store.layout.root, self.store.layout.fingerprint, max_concurrency)

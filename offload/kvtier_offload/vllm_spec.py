@@ -26,6 +26,11 @@ so the evictor's LRU keeps every rank's copy of what was just promised. Where vL
 the layout replicated (pure-MLA, TP only: every rank's bytes are the same), rank 0
 alone stores (vLLM submits stores to rank 0 only and acknowledges for the others),
 every rank loads rank 0's files, and a lookup asks that one copy.
+
+KV events (`"enable_kv_events": true` and vLLM's --kv-events-config): the manager
+announces a stored block once every rank's file is there, and an announced block whose
+file it finds gone (after a failed load, or at a lookup) as removed; vLLM publishes them
+as BlockStored / BlockRemoved, medium STORAGE (tier_events.py).
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
@@ -74,6 +82,7 @@ from kvtier_offload.recompute_bound import (
     stop_waiting,
 )
 from kvtier_offload.store import BlockStore, StoreConfig
+from kvtier_offload.tier_events import TierEvents
 
 log = logging.getLogger("kvtier_offload")
 
@@ -141,6 +150,11 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
 
 
 LOADED_REQUESTS = 4096  # requests whose loaded keys (and lookup waits) the manager remembers
+# KV events (enable_kv_events): keys announced stored and not since removed, and keys
+# whose files are to be looked at before an announcement; past these the oldest go (a
+# block not announced, or a stale router entry: never a wrong byte).
+ANNOUNCED_KEYS = 1 << 20
+CHECKED_KEYS = 1 << 16
 
 
 def _flag(value: object) -> bool:
@@ -182,7 +196,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def __init__(self, stores: BlockStore | Sequence[BlockStore], tokens_per_key: int = 1,
                  recompute_bound: bool = True, read_threads: int = 8,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 events: TierEvents | None = None) -> None:
         self.stores = [stores] if isinstance(stores, BlockStore) else list(stores)
         self.tokens_per_key = max(1, tokens_per_key)
         self.recompute_bound = recompute_bound
@@ -192,6 +207,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self.load_rate = Rate()
         self._waits: OrderedDict[str, RequestWait] = OrderedDict()
         self._loading: dict[str, tuple[float, int]] = {}  # req id -> (began, tokens)
+        # KV events (tier_events): the manager never sees the worker's files land or go,
+        # so it looks. A key whose store completed, or whose load failed, is looked up
+        # again on the lookup threads; once every rank's file is there it is announced
+        # stored, and an announced key found missing (removed as corrupt by the worker,
+        # or evicted) is announced removed.
+        self.events = events
+        self._announced: OrderedDict[bytes, None] = OrderedDict()
+        self._to_check: OrderedDict[bytes, None] = OrderedDict()
         # Keys each request has loaded, while its load may have failed. vLLM's
         # complete_load() does not say whether it succeeded: a request that looks up a
         # key it loaded is taken to be back from a failed load (to recompute), and gets a
@@ -241,6 +264,9 @@ class KvtierOffloadingManager(OffloadingManager):
         # (evicted meanwhile) becomes a recompute, not an error.
         answers = [store.lookup(key, patient) for store in self.stores]
         if False in answers:
+            if self.events is not None and bytes(key) in self._announced:
+                del self._announced[bytes(key)]
+                self.events.removed([bytes(key)])
             return LookupResult.MISS
         if None in answers:
             return LookupResult.RETRY
@@ -330,10 +356,53 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         # Whatever the workers said (a dropped store is reported done too), the next
-        # lookup looks again, on the lookup threads. No KV events: see get_manager.
-        for store in self.stores:
-            for key in keys:
-                store.forget(bytes(key))
+        # lookup looks again, on the lookup threads; so does take_events for KV events.
+        self._look_again(keys)
+
+    def loads_failed(self, req_ids: Iterable[str]) -> None:
+        """These requests' loads may have failed (kvtier's connector): the worker removed
+        what it refused, so their keys are looked at again (KV events: removed)."""
+        if self.events is None:
+            return
+        for req_id in req_ids:
+            self._look_again(self._loaded.get(req_id, ()))
+
+    def _look_again(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            key = bytes(key)
+            for store in self.stores:
+                store.forget(key)
+            if self.events is not None:
+                self._to_check[key] = None
+                self._to_check.move_to_end(key)
+        while len(self._to_check) > CHECKED_KEYS:
+            self._to_check.popitem(last=False)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """vLLM's scheduler, every step: the keys looked at since, announced as vLLM's
+        events (BlockStored once every rank's file is there, BlockRemoved for an
+        announced one that is gone). Never waits: an answer still resolving is taken
+        next step."""
+        if self.events is None:
+            return ()
+        stored, removed = [], []
+        for key in list(self._to_check):
+            answers = [store.lookup(key) for store in self.stores]
+            if False not in answers and None in answers:
+                continue
+            del self._to_check[key]
+            if False in answers:
+                if key in self._announced:
+                    del self._announced[key]
+                    removed.append(key)
+            elif key not in self._announced:
+                self._announced[key] = None
+                stored.append(key)
+        while len(self._announced) > ANNOUNCED_KEYS:
+            self._announced.popitem(last=False)
+        self.events.removed(removed)
+        self.events.stored(stored)
+        return self.events.take()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -911,18 +980,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 store = _store(self, fields, lookups_only=True)
                 store.layout.write_config(fields)
                 stores.append(store)
-            if self.kv_events_config.enable_kv_cache_events:
-                # kvtier never learns of evictions (the evictor removes files on its
-                # own), so "stored" events would tell routers of blocks long gone, and
-                # vLLM's tracker would keep a payload per key forever.
-                log.warning("kvtier: KV cache events for the storage medium are not "
-                            "published in GPU-direct mode (KvtierOffloadingSpec); GPU "
-                            "events are unaffected")
+            # Storage events with enable_kv_events (and vLLM's KV events on): the evictor
+            # announces the files it deletes (kvtier_evictor.events), the manager those
+            # it finds gone.
+            locality = self.extra_config.get("locality")
+            events = TierEvents.configured(
+                self, "KvtierOffloadingSpec", bool(self.extra_config.get("enable_kv_events")),
+                Medium.STORAGE, Locality(locality) if locality is not None else None)
             self._manager = KvtierOffloadingManager(
                 stores, tokens_per_key=self.config.groups[0].tokens_per_block
                 * self.blocks_per_chunk,
                 recompute_bound=_flag(self.extra_config.get("recompute_bound", True)),
-                read_threads=int(self.extra_config.get("n_read_threads", 8)))
+                read_threads=int(self.extra_config.get("n_read_threads", 8)), events=events)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -17,7 +17,6 @@ exactly what it could verify and nothing more.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,6 +35,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.metrics import DEFINITIONS, SHARED_TIER, Metrics, Recorder
+from kvtier_offload.tier_events import TierEvents
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -57,7 +57,6 @@ def fingerprint_config(spec: Any, row_bytes: int) -> dict[str, Any]:
 # and the block file format. The same names as GPU-direct mode (vllm_spec.CONFIG_INFO_KEYS,
 # kept apart so that this module never imports torch).
 CONFIG_INFO_KEYS = ("kvtier_root", "kvtier_fingerprint", "kvtier_file_format")
-EVICTIONS_HELD = 65_536  # evicted keys kept for the next KV events at most
 
 
 class KvtierStorageTier(SecondaryTierManager):
@@ -107,17 +106,10 @@ class KvtierStorageTier(SecondaryTierManager):
                 capacity_bytes, self.block_size_bytes),
         ), metrics=Metrics(self._recorder, self.metrics_tier))
         self.store.layout.write_config(config)
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-                # A bounded tier announces what its bound evicts, or the router would
-                # keep routing to blocks this pod no longer has. Bounded itself: events
-                # are taken every step; past this many the oldest are dropped.
-                self.store.evictions = deque(maxlen=EVICTIONS_HELD)
-            else:
-                log.warning("enable_kv_events is set on tier %s but KV cache events are "
-                            "off globally; no events", tier_type)
+        self.events = TierEvents.configured(offloading_spec, tier_type, enable_kv_events,
+                                            self.medium, self.locality)
+        if self.events is not None:
+            self.store.removals = self.events.removals
         log.info("kvtier tier at %s (fingerprint %s, O_DIRECT %s, %d+%d threads)",
                  self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
                  n_read_threads, n_write_threads)
@@ -167,41 +159,20 @@ class KvtierStorageTier(SecondaryTierManager):
                                          transfer_bytes=len(ok) * self.block_size_bytes))
                 continue
             if outcome.kind == "store" and self.events is not None:
-                stored = [OffloadKey(k) for k, good in zip(outcome.keys, outcome.ok,
-                                                           strict=True) if good]
-                if stored:
-                    self.events.append(OffloadingEvent(keys=stored, medium=self.medium,
-                                                       removed=False, locality=self.locality))
+                self.events.stored(k for k, good in zip(outcome.keys, outcome.ok,
+                                                        strict=True) if good)
             results.append(JobResult(job_id=outcome.job_id, success=outcome.success,
                                      transfer_time=outcome.seconds,
                                      transfer_bytes=outcome.nbytes))
-        self._announce_evictions()
         return results
-
-    def _announce_evictions(self) -> None:
-        """Removals after this poll's stores: a block stored and then evicted since the
-        last poll ends removed (true); one evicted and stored again ends removed too, a
-        missed hit for the router rather than a false one. (A block evicted after it is
-        written but before its job's outcome reaches a poll would be announced removed
-        first, then stored: only possible where the bound is about the size of the writes
-        in flight, since the newest block is the last the LRU takes.)"""
-        evicted = getattr(self.store, "evictions", None)
-        if self.events is None or not evicted:
-            return
-        keys = []
-        while evicted:
-            keys.append(OffloadKey(evicted.popleft()))
-        self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=True,
-                                           locality=self.locality))
 
     def has_pending_work(self) -> bool:
         return self.store.pending_jobs() > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self.events:
-            out, self.events = self.events, []
-            return out
-        return ()
+        """BlockStored for the files written, BlockRemoved for those this tier removed
+        (corrupt, or evicted by its capacity bound), in vLLM's events (tier_events)."""
+        return self.events.take() if self.events is not None else ()
 
     def drain_jobs(self) -> None:
         self.store.drain()

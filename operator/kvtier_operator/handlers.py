@@ -116,6 +116,12 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
         if st.last_eviction is not None:
             metrics.EVICTED_FILES.labels(*labels).set(st.last_eviction.files_deleted or 0)
             metrics.EVICTED_BYTES.labels(*labels).set(st.last_eviction.bytes_freed or 0)
+            last = st.last_eviction
+            if last.events_published is not None:
+                for outcome_, count in (("published", last.events_published),
+                                        ("dropped", last.events_dropped),
+                                        ("ignored", last.events_ignored)):
+                    metrics.EVICTION_EVENTS.labels(*labels, outcome_).set(count or 0)
         metrics.export_tiers(labels, st)
     return outcome
 

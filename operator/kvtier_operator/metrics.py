@@ -24,6 +24,10 @@ EVICTED_FILES = Gauge("kvtier_operator_last_eviction_files_deleted",
                       "Files the latest evictor run deleted", ["namespace", "cache"])
 EVICTED_BYTES = Gauge("kvtier_operator_last_eviction_bytes_freed",
                       "Bytes the latest evictor run freed", ["namespace", "cache"])
+EVICTION_EVENTS = Gauge("kvtier_operator_last_eviction_events",
+                        "Block hashes of the latest evictor run's BlockRemoved events, by "
+                        "outcome (published, dropped, ignored)",
+                        ["namespace", "cache", "outcome"])
 READY = Gauge("kvtier_operator_ready", "1 when the TieredPrefixCache is Ready",
               ["namespace", "cache"])
 

@@ -142,6 +142,9 @@ def eviction_status(run: EvictorRun | None) -> tuple[EvictionStatus | None, Usag
     if run is None or run.report is None:
         return None, None
     r = run.report
+    # Whether the run published BlockRemoved (spec.router.evictionEventsEndpoint).
+    published = bool(r.events_published or r.events_dropped or r.events_ignored
+                     or r.events_problem)
     last = EvictionStatus(
         time=run.finished_at or r.finished_at, outcome=r.outcome,
         files_deleted=r.files_deleted, bytes_freed=r.bytes_freed,
@@ -149,6 +152,10 @@ def eviction_status(run: EvictorRun | None) -> tuple[EvictionStatus | None, Usag
         usage_before=round(r.usage_before.percent, 2),
         usage_after=round(r.usage_after.percent, 2),
         duration_seconds=r.duration_seconds, errors=r.errors, job=run.job,
+        events_published=r.events_published if published else None,
+        events_dropped=r.events_dropped if published else None,
+        events_ignored=r.events_ignored if published else None,
+        events_problem=(r.events_problem[:500] or None) if published else None,
     )
     usage = UsageStatus(
         percent=round(r.usage_after.percent, 2),

@@ -43,6 +43,10 @@ class NoopCpuOffloadingSpec(CPUOffloadingSpec):
 
 
 class NoopTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's tiered spec (its CPU-tier manager and the secondary tiers, real) with the
+    same CPU-tier worker that moves no data: the secondary tiers store what the CPU
+    region holds, which is enough for their events, never for tokens."""
+
     def get_worker(self, kv_caches):
         if not self._worker:
             self._worker = NoopWorker()

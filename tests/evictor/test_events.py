@@ -1,18 +1,21 @@
-"""The evictor's BlockRemoved events (issue #33): vLLM's wire format, decoded here with
-vLLM's own classes, hashes equal to what vLLM announces for the same blocks, and
-publishing that never blocks or fails eviction."""
+"""The evictor's BlockRemoved events (issue #33): delivered to a subscriber that binds, as
+the llm-d router's does, decoded there with vLLM's own classes, hashes and groups equal to
+what vLLM announces for the same blocks, and publishing that never blocks or fails
+eviction (no subscriber, an unreachable endpoint, a subscriber that never reads, names
+outside the layout)."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
 
 from kvtier_evictor import cli
-from kvtier_evictor.events import block_hash, packb
+from kvtier_evictor.events import batch_payload, block_id
 
 zmq = pytest.importorskip("zmq")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -20,6 +23,7 @@ msgspec = pytest.importorskip("msgspec")
 
 FP = "0123456789abcdef"
 OLD = time.time() - 86400
+TOPIC = "kv@cache@m"
 
 
 def vllm_hash64(block_hash_bytes: bytes) -> int:
@@ -57,63 +61,138 @@ def run(root, layout, endpoint, capsys):
     code = cli.main(["--root", str(root), "--layout", layout, "--capacity-bytes", "100",
                      "--high-watermark", "10", "--low-watermark", "1",
                      "--min-idle-seconds", "0", "--events-endpoint", endpoint,
-                     "--events-topic", "kv@cache@m", "--ok-exit-zero"])
+                     "--events-topic", TOPIC, "--ok-exit-zero"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     return code, report
 
 
-def subscriber(port):
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.bind(f"tcp://127.0.0.1:{port}")
-    return sub
+class Router:
+    """What the llm-d router's producer does with its zmqEndpoint: a SUB that binds,
+    subscribes to "kv@" and keeps receiving (pkg/kvevents/zmq_subscriber.go,
+    remote=false), here on a thread; each message decoded with vLLM's classes. With
+    reads=N it stops reading after N messages and never reads again (a hung consumer)."""
+
+    def __init__(self, port: int, reads: int | None = None) -> None:
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 1 if reads is not None else 1000)
+        self.sub.bind(f"tcp://127.0.0.1:{port}")
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self.reads = reads
+        self.messages: list[tuple[bytes, int, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+        while not self._stop.is_set():
+            if self.reads is not None and len(self.messages) >= self.reads:
+                self._stop.wait()  # hung: the socket is never read again
+                break
+            if self.sub.poll(50):
+                topic, seq, payload = self.sub.recv_multipart()
+                self.messages.append((topic, int.from_bytes(seq, "big"),
+                                      decoder.decode(payload)))
+
+    def close(self, quiet: float = 0.5) -> list:
+        """Stop once nothing arrived for `quiet` seconds; the messages received."""
+        count, deadline = -1, time.monotonic() + 10
+        while count != len(self.messages) and time.monotonic() < deadline:
+            count = len(self.messages)
+            time.sleep(quiet)
+        self._stop.set()
+        self._thread.join()
+        self.sub.close(0)
+        return self.messages
 
 
-def received(sub, timeout=2.0):  # kept for the delivery test still to come (see CHANGELOG)
-    decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
-    out = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sub.poll(100):
-            topic, seq, payload = sub.recv_multipart()
-            out.append((topic, int.from_bytes(seq, "big"), decoder.decode(payload)))
-        elif out:
-            break
-    return out
+@pytest.mark.parametrize("layout", ["kvtier", "vllm-fs"])
+def test_a_bound_subscriber_receives_every_removal(tmp_path, capsys, layout):
+    """No sleep, no loss: the first batch is sent once the subscription arrived."""
+    make = kvtier_file if layout == "kvtier" else vllm_fs_file
+    blocks = {(os.urandom(32), group) for group in (0, 1) for _ in range(300)}
+    for block, group in blocks:
+        make(tmp_path, block, group, size=1)
+    port = free_port()
+    router = Router(port)
+    try:
+        code, report = run(tmp_path, layout, f"tcp://127.0.0.1:{port}", capsys)
+    finally:
+        messages = router.close()
+    assert code == 0 and report["files_deleted"] == 600, report
+    assert report["events_published"] == 600 and report["events_dropped"] == 0, report
+    assert not report["events_problem"]
+    assert {topic for topic, _, _ in messages} == {TOPIC.encode()}
+    assert [seq for _, seq, _ in messages] == list(range(len(messages)))
+    got = set()
+    for _, _, batch in messages:
+        for event in batch.events:
+            assert isinstance(event, kv_events.BlockRemoved)
+            assert event.medium == "STORAGE"
+            got.update((h, event.group_idx) for h in event.block_hashes)
+    assert got == {(vllm_hash64(block), group) for block, group in blocks}
 
 
 def test_no_subscriber_never_fails_eviction(tmp_path, capsys):
     for _ in range(2):
         kvtier_file(tmp_path, os.urandom(32))
-    started = time.monotonic()
-    code, report = run(tmp_path, "kvtier", f"tcp://127.0.0.1:{free_port()}", capsys)
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))  # accepts, never speaks ZMTP
+    try:
+        started = time.monotonic()
+        code, report = run(tmp_path, "kvtier", f"tcp://127.0.0.1:{port}", capsys)
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()
     assert code == 0 and report["files_deleted"] == 2
     assert report["events_published"] == 0 and report["events_dropped"] == 2
-    assert "no connection" in report["events_problem"]
-    assert time.monotonic() - started < 10
+    assert "no subscriber" in report["events_problem"]
+
+
+def test_a_subscriber_for_other_topics_gets_nothing_counted_as_dropped(tmp_path, capsys):
+    kvtier_file(tmp_path, os.urandom(32))
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"other@")
+    try:
+        code, report = run(tmp_path, "kvtier", f"tcp://127.0.0.1:{port}", capsys)
+    finally:
+        sub.close(0)
+    assert code == 0 and report["files_deleted"] == 1
+    assert report["events_published"] == 0 and report["events_dropped"] == 1
 
 
 def test_unreachable_endpoint_never_fails_eviction(tmp_path, capsys):
     kvtier_file(tmp_path, os.urandom(32))
+    started = time.monotonic()
     code, report = run(tmp_path, "kvtier", "tcp://no-such-host.invalid:5557", capsys)
+    assert time.monotonic() - started < 10
     assert code == 0 and report["files_deleted"] == 1
     assert report["events_dropped"] == 1 and report["events_problem"]
 
 
-def test_slow_consumer_never_blocks_eviction(tmp_path, capsys):
-    for _ in range(600):  # three batches
+def test_slow_consumer_never_blocks_eviction(tmp_path, capsys, monkeypatch):
+    """A subscriber that stops reading after its first message: once its queue (and the
+    socket buffers) are full, batches are refused and counted, and the run neither
+    waits nor fails."""
+    from kvtier_evictor import events
+
+    monkeypatch.setattr(events, "BATCH", 1)  # one message per file: fill the queues
+    monkeypatch.setattr(events, "SEND_HWM", 10)
+    for _ in range(3000):
         kvtier_file(tmp_path, os.urandom(32), size=1)
     port = free_port()
-    sub = subscriber(port)
-    sub.setsockopt(zmq.RCVHWM, 1)
-    try:  # never reads
+    router = Router(port, reads=1)
+    try:
         started = time.monotonic()
         code, report = run(tmp_path, "kvtier", f"tcp://127.0.0.1:{port}", capsys)
         assert time.monotonic() - started < 20
     finally:
-        sub.close(0)
-    assert code == 0 and report["files_deleted"] == 600
-    assert report["events_published"] + report["events_dropped"] == 600
+        router.close(quiet=0)
+    assert code == 0 and report["files_deleted"] == 3000
+    assert report["events_published"] + report["events_dropped"] == 3000
+    assert report["events_dropped"] > 0 and "dropped events" in report["events_problem"]
 
 
 def test_name_without_a_full_hash_is_ignored_and_counted(tmp_path, capsys):
@@ -124,30 +203,29 @@ def test_name_without_a_full_hash_is_ignored_and_counted(tmp_path, capsys):
     os.utime(p, (OLD, OLD))
     kvtier_file(tmp_path, os.urandom(32))
     port = free_port()
-    sub = subscriber(port)
+    router = Router(port)
     try:
         code, report = run(tmp_path, "kvtier", f"tcp://127.0.0.1:{port}", capsys)
     finally:
-        sub.close(0)
+        messages = router.close()
     assert code == 0 and report["files_deleted"] == 2
     assert report["events_ignored"] == 1 and report["events_published"] == 1
+    assert sum(len(e.block_hashes) for _, _, b in messages for e in b.events) == 1
 
 
-def test_names_map_to_the_hash_vllm_announces():
+def test_names_map_to_the_hash_and_group_vllm_announces():
     block = bytes(range(32))
     key = block + (3).to_bytes(4, "big")
-    assert block_hash("kvtier", key.hex() + ".kvb") == vllm_hash64(block)
-    assert block_hash("vllm-fs", block.hex() + ".bin") == vllm_hash64(block)
-    assert block_hash("kvtier", "abcd0000.kvb") is None
-    assert block_hash("vllm-fs", "abc.bin") is None
-    assert block_hash("sglang", block.hex() + "_m.bin") is None
+    assert block_id("kvtier", f"/r/ab/{key.hex()}.kvb") == (vllm_hash64(block), 3)
+    assert block_id("vllm-fs", f"/r/m/000/00_g2/{block.hex()}.bin") == (vllm_hash64(block), 2)
+    assert block_id("kvtier", "/r/abcd0000.kvb") is None
+    assert block_id("vllm-fs", "/r/m/000/00/abc.bin") is None
+    assert block_id("vllm-fs", f"/r/m/000/00/{block.hex()}.bin") is None  # no group dir
+    assert block_id("sglang", f"/r/{block.hex()}_m.bin") is None
 
 
-def test_stdlib_msgpack_matches_msgspec():
-    event = kv_events.BlockRemoved(block_hashes=[1, 2**64 - 1, 200], medium="STORAGE")
-    ours = packb([1.5, [{"type": "BlockRemoved", "block_hashes": [1, 2**64 - 1, 200],
-                         "medium": "STORAGE"}]])
-    assert msgspec.msgpack.decode(ours, type=kv_events.KVEventBatch) == \
-        kv_events.KVEventBatch(ts=1.5, events=[event])
-    assert msgspec.msgpack.decode(packb({"s": "x" * 300, "n": -5, "b": None, "l": [True]})) \
-        == {"s": "x" * 300, "n": -5, "b": None, "l": [True]}
+def test_the_payload_is_vllms_block_removed():
+    batch = msgspec.msgpack.decode(batch_payload([1, 2**64 - 1, 200], 1, 1.5),
+                                   type=kv_events.KVEventBatch)
+    assert batch == kv_events.KVEventBatch(ts=1.5, events=[kv_events.BlockRemoved(
+        block_hashes=[1, 2**64 - 1, 200], medium="STORAGE", group_idx=1)])

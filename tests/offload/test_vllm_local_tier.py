@@ -150,3 +150,24 @@ def test_the_local_tier_refuses_a_bad_capacity_by_name(tmp_path, capacity, messa
         del tier["capacity_bytes"]
     with pytest.raises(ValueError, match=message):
         spec_with([tier]).get_manager()
+
+
+def test_the_blocks_the_local_tier_evicts_are_announced_removed(tmp_path):
+    """KV events on: what the bound makes the tier evict reaches vLLM as removed (LOCAL)."""
+    row = 4 * PAGE
+    manager = spec_with([local(tmp_path / "nvme", 2 * block_file_bytes(row))
+                         | {"enable_kv_events": True}], events=True).get_manager()
+    try:
+        (near,) = manager.secondary_tiers
+        assert near.store.files.ready.wait(10)
+        keys = [bytes([i + 1]) * 32 + b"\0\0\0\0" for i in range(5)]
+        for n, key in enumerate(keys):
+            near.submit_store(job(n, [key], [n]))
+            assert wait_jobs(near, 1)[n].success
+        events = list(near.take_events())
+        stored = [k for e in events if not e.removed for k in e.keys]
+        removed = [k for e in events if e.removed for k in e.keys]
+        assert stored == keys and removed == keys[:3]
+        assert all(e.locality is Locality.LOCAL for e in events)
+    finally:
+        manager.shutdown()

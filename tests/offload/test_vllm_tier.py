@@ -137,6 +137,37 @@ def test_partial_load_reports_the_loaded_prefix(tier):
     assert not os.path.exists(path)
 
 
+def test_a_block_refused_as_corrupt_is_announced_removed(tier):
+    """The tier announces what it stored, then the file it refused and removed on load
+    (vLLM turns both into BlockStored / BlockRemoved, medium STORAGE)."""
+    keys = [bytes([40 + i]) * 32 + b"\0\0\0\0" for i in range(3)]
+    tier.submit_store(job(1, keys, [0, 1, 2]))
+    wait_jobs(tier, 1)
+    (stored,) = list(tier.take_events())
+    assert stored.keys == keys and not stored.removed
+    path = tier.store.layout.path(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff" * 16)
+    tier.submit_load(job(2, keys, [8, 9, 10], promotion=True))
+    assert not wait_jobs(tier, 1)[2].success
+    (removed,) = list(tier.take_events())
+    assert removed.removed and removed.keys == [keys[1]]
+    assert removed.medium is Medium.STORAGE
+    assert list(tier.take_events()) == []
+
+
+def test_without_vllms_kv_events_the_tier_collects_none(tmp_path):
+    manager, t = make_manager(tmp_path, f"kvtier-noev-{os.getpid()}", events=False)
+    try:
+        assert t.events is None and t.store.removals is None
+        t.submit_store(job(1, [b"\x51" * 36], [0]))
+        wait_jobs(t, 1)
+        assert list(t.take_events()) == []
+    finally:
+        manager.shutdown()
+
+
 def test_failed_store_is_no_event_and_no_success(tier, monkeypatch):
     monkeypatch.setattr(tier.store.admission, "free_space_ok", lambda size: False)
     tier.submit_store(job(1, [b"\x31" * 36], [0]))

@@ -105,6 +105,53 @@ def test_prepare_store_and_complete_store_never_stat_on_the_scheduler_thread(tmp
     manager.shutdown()
 
 
+def test_gpu_direct_announces_stores_that_landed_and_files_found_gone(tmp_path):
+    """GPU-direct mode with KV events: a completed store is announced once its file is
+    there (a dropped one never), and an announced key whose file is gone after a failed
+    load (the worker removed it as corrupt) is announced removed; the looking happens
+    on the lookup threads, over as many scheduler steps as it takes."""
+    import os
+    import time
+
+    from vllm.v1.kv_offload.base import Medium, ReqContext
+
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.tier_events import TierEvents
+    from kvtier_offload.vllm_spec import KvtierOffloadingManager
+
+    writer = BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16))
+    landed, dropped = b"\x0a" * 36, b"\x0b" * 36
+    writer.store(1, [(landed, memoryview(bytearray(4096)))])
+    writer.drain()
+    manager = KvtierOffloadingManager(
+        BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16)),
+        TierEvents(Medium.STORAGE))
+    ctx = ReqContext(req_id="r")
+
+    def steps(until, timeout=10.0):
+        events, deadline = [], time.monotonic() + timeout
+        while not until(events) and time.monotonic() < deadline:
+            events += list(manager.take_events())
+            time.sleep(0.01)
+        return events
+
+    try:
+        manager.complete_store([landed, dropped], ctx, success=True)
+        events = steps(lambda ev: any(not e.removed for e in ev))
+        assert [(e.keys, e.removed, e.medium) for e in events] == [
+            ([landed], False, Medium.STORAGE)]
+        assert not manager._to_check  # the dropped one was looked at and let go
+        manager.complete_load([landed], ctx)
+        os.unlink(writer.layout.path(landed))
+        manager.loads_failed(["r"])
+        events = steps(lambda ev: any(e.removed for e in ev))
+        assert [(e.keys, e.removed) for e in events] == [([landed], True)]
+        assert list(steps(lambda ev: False, timeout=0.2)) == []  # announced once
+    finally:
+        manager.shutdown()
+        writer.close()
+
+
 def test_a_store_of_a_file_already_there_is_skipped_not_rewritten(tmp_path):
     """What makes storing an unknown key harmless: the writer looks first."""
     import os

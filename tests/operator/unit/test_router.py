@@ -24,7 +24,7 @@ from kvtier_operator.render.router import (
     render_router_configmap,
 )
 from kvtier_operator.validation import parse_tpc
-from tests.helpers import tpc_doc, vllm_pod
+from tests.helpers import example, tpc_doc, vllm_pod
 from tests.operator.unit.test_render import CTX, kv_flag
 
 PRECISE = {"enabled": True, "scoring": "precise"}
@@ -204,6 +204,20 @@ def test_precise_pod_publishes_kv_events_and_the_tier_announces():
                       "endpoint": "tcp://*:5600", "topic": "kv@cache@Qwen/Qwen3-32B"}
     tier = kv_flag(c)["kv_connector_extra_config"]["secondary_tiers"][0]
     assert tier["enable_kv_events"] is True
+
+
+@pytest.mark.parametrize("scoring", ["approximate", "precise"])
+def test_gpu_direct_announces_the_volume_in_precise_mode_only(scoring):
+    """No CPU tier (kvtier's own OffloadingSpec): its manager announces the blocks on the
+    volume on the engine's KV events where the router indexes them."""
+    doc = example("native-gpu-direct.yaml")
+    doc["spec"]["router"] = {"enabled": True, "scoring": scoring}
+    t = parse_tpc(doc)
+    c = inject(t, vllm_pod(), CTX).pod["spec"]["containers"][0]
+    extra = kv_flag(c)["kv_connector_extra_config"]
+    assert extra["spec_name"] == "KvtierOffloadingSpec"
+    assert extra.get("enable_kv_events", False) is (scoring == "precise")
+    assert ("--kv-events-config" in c["args"]) is (scoring == "precise")
 
 
 def test_precise_in_a_shell_script_goes_through_env():

@@ -52,6 +52,16 @@ class EvictionStatus(ApiModel):
     duration_seconds: float | None = Field(default=None, description="How long the run took.")
     errors: int | None = Field(default=None, description="Errors during the run.")
     job: str | None = Field(default=None, description="The Job that ran.")
+    events_published: int | None = Field(
+        default=None, description="BlockRemoved block hashes the router's socket accepted "
+        "(spec.router.evictionEventsEndpoint).")
+    events_dropped: int | None = Field(
+        default=None, description="Block hashes not published: no subscriber, unreachable "
+        "endpoint, full queue; eviction went on.")
+    events_ignored: int | None = Field(
+        default=None, description="Deleted files whose names carry no block hash.")
+    events_problem: str | None = Field(
+        default=None, description="The first publishing problem of the run.")
 
 
 class LatencyStatus(ApiModel):

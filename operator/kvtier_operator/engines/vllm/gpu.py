@@ -267,6 +267,11 @@ def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
             "n_read_threads": storage.read_threads,
             "n_write_threads": storage.write_threads,
             "max_staging_bytes": sizing.staging_bytes(spec),
+            # Precise scoring: the manager announces the blocks on the volume (medium
+            # STORAGE) on the engine's KV events, as the tier does in tiered mode.
+            **({"enable_kv_events": True}
+               if spec.router.enabled and spec.router.scoring == RouterScoring.precise
+               else {}),
         },
     }
 
