@@ -58,7 +58,7 @@ async def live_cluster(out: Path) -> AsyncIterator[LiveCluster]:
     from kvtier_demo.certs import make_certs
     from kvtier_operator.webhook import make_app, serve, tls_context
 
-    ctx = RenderContext()
+    ctx = RenderContext(allowed_object_endpoints=sandbox.DEMO_OBJECT_ENDPOINTS)
     # Observation every half second: the demo's pods' metrics reach status.tiers quickly.
     config = OperatorConfig(render=ctx, drift_interval=0.5, retry_delay=0.2,
                             observe=ObserveSettings(interval=0.5, timeout=2, window=600),

@@ -76,6 +76,9 @@ def gateway_for(kmock: Any) -> Gateway:
 
 
 DEMO_REFERENCE_NAMESPACES = frozenset({"mooncake"})
+# The S3 endpoint of examples/native-object-store.yaml, which an install lists in the
+# chart's objectStore.allowedEndpoints.
+DEMO_OBJECT_ENDPOINTS = ("http://rook-ceph-rgw-objects.rook-ceph.svc:80",)
 
 
 @contextlib.asynccontextmanager

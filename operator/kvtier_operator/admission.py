@@ -25,6 +25,7 @@ from kvtier_operator.context import RenderContext
 from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import InvalidResource, deprecations, immutable, parse_tpc
 from kvtier_operator.validation.host_paths import host_path_refusal
+from kvtier_operator.validation.object_endpoints import object_endpoint_refusal
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-tieredprefixcaches"
@@ -282,7 +283,8 @@ def selectors_may_overlap(a: LabelSelector, b: LabelSelector) -> bool:
 
 
 def validate_request(request: dict[str, Any], caches: CacheLookup,
-                     allowed_host_paths: tuple[str, ...] = ()) -> dict[str, Any]:
+                     allowed_host_paths: tuple[str, ...] = (),
+                     allowed_object_endpoints: tuple[str, ...] = ()) -> dict[str, Any]:
     uid = request["uid"]
     if request.get("operation") not in ("CREATE", "UPDATE"):
         return _response(uid)
@@ -298,7 +300,8 @@ def validate_request(request: dict[str, Any], caches: CacheLookup,
     except InvalidResource as err:
         return _response(uid, allowed=False, code=422,
                          message=f"{KIND} {err.name} is invalid: " + "; ".join(err.messages))
-    host_path = host_path_refusal(tpc.spec, allowed_host_paths)
+    host_path = host_path_refusal(tpc.spec, allowed_host_paths) or object_endpoint_refusal(
+        tpc.spec, allowed_object_endpoints)
     if host_path:
         return _response(uid, allowed=False, code=422,
                          message=f"{KIND} {tpc.name} is invalid: {host_path}")
@@ -342,8 +345,8 @@ def admit(path: str, body: bytes, caches: CacheLookup, ctx: RenderContext) -> Ou
         if path == MUTATE_PATH:
             answer, conflicts = admit_pod(request, caches, ctx)
             return Outcome(200, encode(answer), tuple(conflicts))
-        return Outcome(200, encode(validate_request(request, caches,
-                                                    ctx.allowed_host_paths)))
+        return Outcome(200, encode(validate_request(request, caches, ctx.allowed_host_paths,
+                                                    ctx.allowed_object_endpoints)))
     except Exception as err:
         failure, problem = f"{type(err).__name__}: {err}", traceback.format_exc()
     if path == MUTATE_PATH:  # failurePolicy Ignore: never block a pod on our bug

@@ -19,6 +19,7 @@ from kvtier_operator.gateway import Gateway
 from kvtier_operator.handlers import OperatorConfig, register
 from kvtier_operator.observe.observer import ObserveSettings
 from kvtier_operator.validation.host_paths import parse_allowed
+from kvtier_operator.validation.object_endpoints import parse_allowed_endpoints
 from kvtier_operator.webhook import register_server
 
 
@@ -32,6 +33,8 @@ def config_from_env(env: dict[str, str] | None = None) -> OperatorConfig:
             evictor_image=env.get("KVTIER_OPERATOR_IMAGE", DEFAULT_OPERATOR_IMAGE),
             image_pull_policy=env.get("KVTIER_IMAGE_PULL_POLICY", "IfNotPresent"),
             allowed_host_paths=parse_allowed(env.get("KVTIER_ALLOWED_HOST_PATHS")),
+            allowed_object_endpoints=parse_allowed_endpoints(
+                env.get("KVTIER_ALLOWED_OBJECT_ENDPOINTS")),
         ),
         drift_interval=float(env.get("KVTIER_DRIFT_INTERVAL_SECONDS", "60")),
         observe=observe_settings(env),

@@ -18,7 +18,11 @@ from kvtier_operator.loading import load_documents, split_tpcs
 from kvtier_operator.render.objects import render_objects
 from kvtier_operator.render.pod import inject_workload
 from kvtier_operator.validation import InvalidResource, deprecations, parse_tpc
-from kvtier_operator.validation.host_paths import host_path_refusal
+from kvtier_operator.validation.host_paths import host_path_refusal, parse_allowed
+from kvtier_operator.validation.object_endpoints import (
+    object_endpoint_refusal,
+    parse_allowed_endpoints,
+)
 from kvtier_operator.yamlio import dump_all
 
 EXIT_INVALID = 2
@@ -47,8 +51,14 @@ def _objects(path: str) -> list[dict[str, Any]] | None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    try:  # the operator's own reading of the list (KVTIER_ALLOWED_HOST_PATHS)
+        allowed = parse_allowed(",".join(args.allow_host_path or ()))
+        endpoints = parse_allowed_endpoints(",".join(args.allow_object_endpoint or ()))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
     ctx = RenderContext(offload_image=args.offload_image, evictor_image=args.evictor_image,
-                        allowed_host_paths=tuple(args.allow_host_path or ()))
+                        allowed_host_paths=allowed, allowed_object_endpoints=endpoints)
     docs = _objects(args.file)
     if docs is None:
         return EXIT_INVALID
@@ -64,10 +74,11 @@ def cmd_render(args: argparse.Namespace) -> int:
             print(f"  {message}", file=sys.stderr)
         return EXIT_INVALID
     refused = [(t.name, why) for t in tpcs
-               if (why := host_path_refusal(t.spec, ctx.allowed_host_paths))]
+               if (why := host_path_refusal(t.spec, ctx.allowed_host_paths)
+                   or object_endpoint_refusal(t.spec, ctx.allowed_object_endpoints))]
     for name, why in refused:
         print(f"error: TieredPrefixCache {name} is invalid:\n  {why} (kvtier render: "
-              "--allow-host-path)", file=sys.stderr)
+              "--allow-host-path, --allow-object-endpoint)", file=sys.stderr)
     if refused:
         return EXIT_INVALID
     out: list[dict[str, Any]] = []
@@ -139,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--allow-host-path", action="append", metavar="DIR",
                         help="a node directory local disks may use (the Helm value "
                         "localDisk.allowedHostPaths; repeatable; none by default)")
+    render.add_argument("--allow-object-endpoint", action="append", metavar="URL",
+                        help="an S3 endpoint object stores may name (the Helm value "
+                        "objectStore.allowedEndpoints; repeatable; none by default)")
     render.set_defaults(func=cmd_render)
 
     crd_cmd = sub.add_parser("crd", help="print (or write) the generated CRD")

@@ -23,3 +23,6 @@ class RenderContext:
     # Node directories a cache's local disk may be under (spec.localDisk.volume.hostPath),
     # the admin's choice (Helm value localDisk.allowedHostPaths); empty: none.
     allowed_host_paths: tuple[str, ...] = ()
+    # S3 endpoints a cache's object store may name (spec.objectStore.endpoint), the admin's
+    # choice (Helm value objectStore.allowedEndpoints); empty: none (AWS only).
+    allowed_object_endpoints: tuple[str, ...] = ()

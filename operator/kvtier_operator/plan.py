@@ -30,6 +30,7 @@ from kvtier_operator.engines.chained_tiers import (
 )
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.validation.host_paths import host_path_refusal
+from kvtier_operator.validation.object_endpoints import object_endpoint_refusal
 
 FORMAT_VERSION = "2"  # bump when injection changes for an unchanged spec
 
@@ -141,7 +142,8 @@ def pod_plan(tpc: TieredPrefixCache, ctx: RenderContext) -> PodPlan:
         command_prefix=prefix, device_resources=MappingProxyType(devices),
         fs_group=fs_group, prepare_command=prepare, prepare_image=prepare_image,
         secret_env=secrets, ephemeral_storage_bytes=ephemeral,
-        refusal=host_path_refusal(spec, ctx.allowed_host_paths),
+        refusal=host_path_refusal(spec, ctx.allowed_host_paths)
+        or object_endpoint_refusal(spec, ctx.allowed_object_endpoints),
         config_hash=_digest(tpc, adapter, launch_options, server_env, claim, mount_path,
                             extra, image, prefix, devices, permissions, secret_env=secrets,
                             ephemeral_bytes=ephemeral))

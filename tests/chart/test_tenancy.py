@@ -194,7 +194,8 @@ def object_evictor_cronjob() -> dict:
     env = {e["name"]: e.get("value") for e in
            deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])}
     tpc = parse_tpc(merge(tpc_doc({"objectStore": OBJECTS}), {"metadata": {"uid": "u-1"}}))
-    cronjob = render_object_evictor(tpc, RenderContext(offload_image=env["KVTIER_OFFLOAD_IMAGE"]))
+    cronjob = render_object_evictor(tpc, RenderContext(
+        offload_image=env["KVTIER_OFFLOAD_IMAGE"], allowed_object_endpoints=(OBJECTS["endpoint"],)))
     assert cronjob is not None
     return cronjob
 

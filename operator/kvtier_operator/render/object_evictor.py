@@ -15,6 +15,7 @@ from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.chained_tiers import credential_env
+from kvtier_operator.validation.object_endpoints import object_endpoint_refusal
 
 OBJECT_EVICTOR = "object-evictor"  # its container and component label
 EVICTOR_UID = 65532
@@ -38,6 +39,8 @@ def render_object_evictor(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[st
     """The CronJob, or None where the cache has no object store."""
     if tpc.spec.object_store is None:
         return None
+    if object_endpoint_refusal(tpc.spec, ctx.allowed_object_endpoints):
+        return None  # its endpoint is not one the admin allows: no job gets the Secret
     labels = names.owned_labels(tpc, OBJECT_EVICTOR)
     container = {
         "name": OBJECT_EVICTOR,

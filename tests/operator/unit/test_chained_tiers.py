@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from kvtier_operator import names
 from kvtier_operator.api.quantity import quantity_bytes
@@ -18,7 +19,7 @@ from kvtier_operator.render.pod import inject
 from kvtier_operator.validation import InvalidResource, parse_tpc
 from tests.helpers import tpc_doc, vllm_pod
 
-CTX = RenderContext()
+CTX = RenderContext(allowed_object_endpoints=("https://rgw.storage.svc:443",))
 LOCAL = {"capacity": "500Gi", "volume": {"emptyDir": {}}}
 OBJECTS = {"bucket": "kv-cache", "endpoint": "https://rgw.storage.svc:443",
            "addressingStyle": "path", "budget": "10Ti",
@@ -157,15 +158,20 @@ def test_a_claim_from_a_storage_class_is_an_ephemeral_volume_per_pod():
 HOST = {"capacity": "1Ti", "volume": {"hostPath": {"path": "/mnt/nvme/kvtier"}}}
 
 
-def test_a_host_directory_only_under_what_the_admin_allows():
+def test_a_host_directory_only_what_the_admin_allows():
     tpc = cache(localDisk=HOST)
     refused = inject(tpc, vllm_pod(), CTX)
     assert not refused.changed
     assert any("localDisk.allowedHostPaths: none" in c for c in refused.conflicts)
-    # Whole segments only: /mnt/nvme/kvtier is not under /mnt/nv.
-    elsewhere = inject(tpc, vllm_pod(), RenderContext(allowed_host_paths=("/mnt/nv",)))
-    assert any("allowedHostPaths: /mnt/nv)" in c for c in elsewhere.conflicts)
-    allowed = inject(tpc, vllm_pod(), RenderContext(allowed_host_paths=("/mnt/nvme",)))
+    # Exactly an allowed directory, never one below it: a path under an allowed
+    # directory could name another cache's directory (<allowed>/<ns>/<name>), whose pods
+    # can plant a symlink there, or another namespace's (review finding).
+    for allowed_dirs in (("/mnt/nv",), ("/mnt/nvme",), ("/mnt",)):
+        elsewhere = inject(tpc, vllm_pod(), RenderContext(allowed_host_paths=allowed_dirs))
+        assert not elsewhere.changed, allowed_dirs
+        assert any(f"allowedHostPaths: {allowed_dirs[0]};" in c
+                   for c in elsewhere.conflicts), elsewhere.conflicts
+    allowed = inject(tpc, vllm_pod(), RenderContext(allowed_host_paths=("/mnt/nvme/kvtier",)))
     assert allowed.changed, allowed.conflicts
     volume = next(v for v in allowed.pod["spec"]["volumes"]
                   if v["name"] == names.VOLUME_LOCAL_DISK)
@@ -186,7 +192,8 @@ def test_the_validating_webhook_refuses_a_host_directory_not_allowed():
     answer = validate_request(request, NoCaches())["response"]
     assert answer["allowed"] is False
     assert "allowedHostPaths" in answer["status"]["message"]
-    assert validate_request(request, NoCaches(), ("/mnt/nvme",))["response"]["allowed"]
+    assert not validate_request(request, NoCaches(), ("/mnt/nvme",))["response"]["allowed"]
+    assert validate_request(request, NoCaches(), ("/mnt/nvme/kvtier",))["response"]["allowed"]
 
 
 def test_the_operator_refuses_to_start_on_a_bad_allowed_path():
@@ -196,6 +203,23 @@ def test_the_operator_refuses_to_start_on_a_bad_allowed_path():
     assert ctx.allowed_host_paths == ("/mnt/nvme", "/data/ssd")
     with pytest.raises(ValueError, match=r"KVTIER_ALLOWED_HOST_PATHS.*absolute"):
         config_from_env({"KVTIER_ALLOWED_HOST_PATHS": "mnt/nvme"})
+    # Nested directories would let a cache's path be inside another's directory.
+    with pytest.raises(ValueError, match=r"/mnt/nvme/ml and /mnt/nvme nest"):
+        config_from_env({"KVTIER_ALLOWED_HOST_PATHS": "/mnt/nvme,/mnt/nvme/ml"})
+    assert config_from_env({"KVTIER_ALLOWED_HOST_PATHS": "/mnt/nvme,/mnt/nvme2"})
+
+
+def test_kvtier_render_reads_the_allowed_list_as_the_operator_does(tmp_path):
+    """`kvtier render --allow-host-path` refuses what the operator would refuse to start
+    on (a trailing '/', nested directories), instead of matching nothing."""
+    from kvtier_operator.cli import main
+
+    path = tmp_path / "tpc.yaml"
+    path.write_text(yaml.safe_dump(tpc_doc({"localDisk": HOST})))
+    assert main(["render", "-f", str(path), "--allow-host-path", "/mnt/nvme/kvtier/"]) != 0
+    assert main(["render", "-f", str(path), "--allow-host-path", "/mnt/nvme/kvtier",
+                 "--allow-host-path", "/mnt/nvme"]) != 0
+    assert main(["render", "-f", str(path), "--allow-host-path", "/mnt/nvme/kvtier"]) == 0
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -321,8 +345,9 @@ def test_a_backend_without_the_tier_label_counts_as_the_shared_tier():
 def test_reconcile_applies_the_object_cronjob_and_removes_it_with_the_field():
     from tests.operator.unit.test_reconcile import FakeGateway, body, run
 
+    aws = {k: v for k, v in OBJECTS.items() if k != "endpoint"}  # AWS: no list to pass
     gw = FakeGateway()
-    run(gw, body({"objectStore": OBJECTS}))
+    run(gw, body({"objectStore": aws}))
     cron = gw.store[("CronJob", "ml", "cache-objects")]
     assert cron["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert ("CronJob", "ml", "cache-evictor") in gw.store  # the shared volume's, beside it
@@ -331,5 +356,49 @@ def test_reconcile_applies_the_object_cronjob_and_removes_it_with_the_field():
     assert ("CronJob", "ml", "cache-evictor") in gw.store
     assert ("Normal", "Deleted", "deleted CronJob cache-objects") in outcome.events
     # Nothing of the Secret is in the status kvtier writes: it never reads the Secret.
-    status = run(gw, body({"objectStore": OBJECTS})).status.model_dump_json(by_alias=True)
+    status = run(gw, body({"objectStore": aws})).status.model_dump_json(by_alias=True)
     assert "kv-s3" not in status and "AWS_" not in status
+
+
+def test_an_object_endpoint_the_admin_does_not_allow_gets_no_secret():
+    """The endpoint receives the access key id and session token of the Secret the cache
+    names: one the admin has not listed (objectStore.allowedEndpoints) gets no pod
+    injected, no eviction CronJob, and a refusal from the webhook and `kvtier render`
+    (review finding: a cache author could send two values of any Secret to their own
+    server)."""
+    from kvtier_operator.admission import validate_request
+    from kvtier_operator.validation.object_endpoints import parse_allowed_endpoints
+
+    evil = {**OBJECTS, "endpoint": "https://attacker.example:443",
+            "credentialsSecret": {"name": "db-admin", "accessKeyIdKey": "password"}}
+    tpc = cache(objectStore=evil)
+    refused = inject(tpc, vllm_pod(), CTX)
+    assert not refused.changed
+    assert any("objectStore.allowedEndpoints: https://rgw.storage.svc:443" in c
+               for c in refused.conflicts), refused.conflicts
+    assert render_object_evictor(tpc, CTX) is None
+    assert render_object_evictor(cache(objectStore=OBJECTS), CTX) is not None
+
+    class NoCaches:
+        def in_namespace(self, namespace):
+            return []
+
+    request = {"uid": "u", "operation": "CREATE", "object": tpc_doc({"objectStore": evil})}
+    answer = validate_request(request, NoCaches(), (), CTX.allowed_object_endpoints)
+    assert answer["response"]["allowed"] is False
+    assert "allowedEndpoints" in answer["response"]["status"]["message"]
+    ok = {"uid": "u", "operation": "CREATE", "object": tpc_doc({"objectStore": OBJECTS})}
+    assert validate_request(ok, NoCaches(), (), CTX.allowed_object_endpoints)["response"][
+        "allowed"]
+    with pytest.raises(ValueError, match="KVTIER_ALLOWED_OBJECT_ENDPOINTS"):
+        parse_allowed_endpoints("https://rgw.storage.svc:443/path")
+
+
+def test_kvtier_render_refuses_an_object_endpoint_not_allowed(tmp_path):
+    from kvtier_operator.cli import main
+
+    path = tmp_path / "tpc.yaml"
+    path.write_text(yaml.safe_dump(tpc_doc({"objectStore": OBJECTS})))
+    assert main(["render", "-f", str(path)]) != 0
+    assert main(["render", "-f", str(path), "--allow-object-endpoint",
+                 "https://rgw.storage.svc:443"]) == 0

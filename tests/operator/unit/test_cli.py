@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvtier_demo.samples import sample_workload
+from kvtier_demo.sandbox import DEMO_OBJECT_ENDPOINTS
 from kvtier_operator.cli import EXIT_CONFLICT, EXIT_INVALID, main
 from tests.helpers import EXAMPLES, tpc_doc
 
@@ -31,7 +32,9 @@ def test_there_is_an_example_per_variant():
 @pytest.mark.parametrize("name", CR_EXAMPLES)
 def test_every_example_renders_valid_kubernetes_objects(name):
     workload = sample_workload(yaml.safe_load((EXAMPLES / name).read_text()))
-    result = run("render", "-f", str(EXAMPLES / name), "--pod", str(EXAMPLES / workload))
+    allow = [a for url in DEMO_OBJECT_ENDPOINTS for a in ("--allow-object-endpoint", url)]
+    result = run("render", "-f", str(EXAMPLES / name), "--pod", str(EXAMPLES / workload),
+                 *allow)
     assert result.returncode == 0, result.stderr
     objs = list(yaml.safe_load_all(result.stdout))
     if objs[-1]["kind"] == "LeaderWorkerSet":

@@ -19,6 +19,7 @@ import yaml
 
 from kvtier_demo.certs import make_certs
 from kvtier_demo.samples import VLLM_GPU, sample_workload
+from kvtier_demo.sandbox import DEMO_OBJECT_ENDPOINTS
 from kvtier_operator import names
 from kvtier_operator.context import RenderContext
 from kvtier_operator.webhook import (
@@ -33,7 +34,10 @@ from kvtier_operator.webhook import (
 )
 from tests.helpers import EXAMPLES, tpc_doc
 
-CTX = RenderContext(offload_image="reg/kvtier-offload:1")
+# The examples' object store endpoint is one an install would allow (the chart's
+# objectStore.allowedEndpoints), as make demo does.
+CTX = RenderContext(offload_image="reg/kvtier-offload:1",
+                    allowed_object_endpoints=DEMO_OBJECT_ENDPOINTS)
 K8S = kubernetes_validate.latest_version()
 CR_EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(EXAMPLES.glob("*.yaml"))}
 CR_EXAMPLES = {n: d for n, d in CR_EXAMPLES.items() if d["kind"] == "TieredPrefixCache"}

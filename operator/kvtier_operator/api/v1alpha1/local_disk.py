@@ -37,10 +37,11 @@ class EphemeralClaim(ApiModel):
 
 class HostDirectory(ApiModel):
     path: HostPath = Field(
-        description="The node directory (created if absent). It must lie under one of the "
-        "prefixes the kvtier admin allows (Helm value localDisk.allowedHostPaths); none are "
-        "allowed by default. Replicas of this cache on one node share it, each bounding "
-        "its own writes by capacity (docs/sizing.md).",
+        description="The node directory: one of the directories the kvtier admin allows "
+        "(Helm value localDisk.allowedHostPaths; none by default). The cache mounts "
+        "<path>/<namespace>/<name> below it (created if absent). Replicas of this cache on "
+        "one node share that directory, each bounding its own writes by capacity "
+        "(docs/sizing.md).",
     )
 
 
