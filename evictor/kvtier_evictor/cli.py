@@ -71,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "subscriber there subscribed (needs kvtier[events]); failures are "
                    "counted in the report, never fail the run")
     p.add_argument("--events-topic", default="kv@kvtier@model",
-                   help="the events' ZMQ topic, kv@<identity>@<model>")
+                   help="the events' ZMQ topic, kv@<identity>@<model>; with "
+                   "--events-pods-file only its model segment is used")
+    p.add_argument("--events-pods-file", default=None,
+                   help="publish each removal once per engine pod listed here (one "
+                   "<ip>:<port> router identity a line, read at start, at most "
+                   "64 KiB and 256 pods), under kv@<pod>@<model>; a missing or empty "
+                   "file publishes nothing (counted as dropped, with why)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -97,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES[ERROR]
     publisher = None
     if args.events_endpoint and not args.dry_run:
-        from kvtier_evictor.events import Publisher
+        from kvtier_evictor.events import Publisher, pod_topics, read_event_pods
 
-        publisher = Publisher(args.events_endpoint, args.events_topic, args.layout)
+        topics, problem = [args.events_topic], ""
+        if args.events_pods_file:
+            pods, problem = read_event_pods(args.events_pods_file)
+            topics = pod_topics(args.events_topic, pods)
+        publisher = Publisher(args.events_endpoint, topics, args.layout, problem=problem)
     config = Config(
         root=args.root, layout=LAYOUTS[args.layout],
         high_watermark=args.high_watermark, low_watermark=args.low_watermark,

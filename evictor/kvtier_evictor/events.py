@@ -31,6 +31,7 @@ never wait, the subscription wait and the close are bounded, every failure is co
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import threading
@@ -50,6 +51,61 @@ _VLLM_FS_NAME = re.compile(r"([0-9a-f]+)\.bin\Z")
 _VLLM_FS_GROUP_DIR = re.compile(r"[0-9a-f]+_g([0-9]+)\Z")
 OFFLOAD_KEY_GROUP_BYTES = 4  # vLLM make_offload_key: hash + group_idx.to_bytes(4, "big")
 SUBSCRIBE, UNSUBSCRIBE = 1, 0  # the first byte of an XPUB's subscription message
+# The event-pods file (the operator's <cache>-event-pods ConfigMap): one router identity
+# of an engine pod a line, `<ip>:<port>`; read once at run start, bounded.
+EVENT_PODS_MAX_BYTES = 64 * 1024
+EVENT_PODS_MAX_LINES = 256  # the operator's MAX_EVENT_PODS
+
+
+# ---------------------------------------------------------------- pods' topics
+
+def _pod_identity(line: str) -> str | None:
+    """`<ip>:<port>` as the operator writes it (IPv6 unbracketed), else None."""
+    host, sep, port = line.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return line
+
+
+def read_event_pods(path: str) -> tuple[list[str], str]:
+    """The pods' identities in the file and, where a line or the file was refused, why.
+    Reads at most EVENT_PODS_MAX_BYTES and EVENT_PODS_MAX_LINES lines."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(EVENT_PODS_MAX_BYTES + 1)
+    except OSError as err:
+        return [], f"cannot read the event pods file {path}: {err.strerror or err}"
+    problem = ""
+    if len(data) > EVENT_PODS_MAX_BYTES:
+        data = data[:EVENT_PODS_MAX_BYTES].rpartition(b"\n")[0]
+        problem = f"{path} is over {EVENT_PODS_MAX_BYTES} bytes: read its first lines"
+    pods: list[str] = []
+    for raw in data.decode("utf-8", errors="replace").splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if len(pods) == EVENT_PODS_MAX_LINES:
+            problem = problem or f"{path} lists over {EVENT_PODS_MAX_LINES} pods: used the first"
+            break
+        if _pod_identity(line) is None:
+            problem = problem or f"{path}: {line[:80]!r} is not <ip>:<port>, skipped"
+            continue
+        if line not in pods:
+            pods.append(line)
+    if not pods and not problem:
+        problem = f"{path} lists no pods (none injected and running yet)"
+    return pods, problem
+
+
+def pod_topics(topic: str, pods: list[str]) -> list[str]:
+    """kv@<pod>@<model> for each pod, the model taken from topic (kv@<any>@<model>)."""
+    prefix, _, rest = topic.partition("@")
+    model = rest.partition("@")[2]
+    return [f"{prefix}@{pod}@{model}" for pod in pods]
 
 
 # ------------------------------------------------------------- names to hashes
@@ -90,19 +146,23 @@ def batch_payload(hashes: list[int], group: int, ts: float) -> bytes:
 
 class Publisher:
     """Collects the block files deleted (from any thread) and publishes their removal in
-    batches. Counters: published (block hashes accepted by the socket for a subscribed
-    peer), dropped (hashes not sent: no pyzmq or msgspec, no subscriber, a full queue),
-    ignored (names outside the layout's mapping)."""
+    batches, once under each topic (one a pod: pod_topics). Counters, in block hashes
+    times topics: published (accepted by the socket for a subscribed peer), dropped (not
+    sent: no pyzmq or msgspec, no subscriber, a full queue; with no topic at all, each
+    hash once), ignored (names outside the layout's mapping, once each). `problem` may
+    be given: the first reason, e.g. why the topics are missing."""
 
-    def __init__(self, endpoint: str, topic: str, layout: str,
-                 subscriber_wait: float = SUBSCRIBER_WAIT_SECONDS) -> None:
+    def __init__(self, endpoint: str, topics: list[str], layout: str,
+                 subscriber_wait: float = SUBSCRIBER_WAIT_SECONDS, problem: str = "") -> None:
         self.endpoint = endpoint
-        self.topic = topic.encode()
+        self.topics = [t.encode() for t in topics]
         self.layout = layout
         self.published = 0
         self.dropped = 0
         self.ignored = 0
         self.problem = ""
+        if problem:
+            self._fail(problem)
         self._pending: dict[int, list[int]] = {}  # group -> hashes
         self._seq = 0
         self._lock = threading.Lock()
@@ -111,11 +171,18 @@ class Publisher:
         self._prefixes: set[bytes] = set()  # the subscriptions the peers sent
         self._open(subscriber_wait)
 
+    def _subscribed(self, topic: bytes) -> bool:
+        return any(topic.startswith(p) for p in self._prefixes)
+
     @property
     def subscribed(self) -> bool:
-        return any(self.topic.startswith(p) for p in self._prefixes)
+        """Some subscriber takes every topic (the router subscribes to "kv@")."""
+        return bool(self.topics) and all(self._subscribed(t) for t in self.topics)
 
     def _open(self, wait: float) -> None:
+        if not self.topics:  # nothing to publish under: no socket, every hash dropped
+            self._fail("no topic to publish under")
+            return
         try:  # optional: only when publishing is configured
             import msgspec  # noqa: F401
             import zmq
@@ -141,7 +208,7 @@ class Publisher:
                 break
             self._read_subscriptions()
         if not self.subscribed:
-            self._fail(f"no subscriber for {self.topic.decode(errors='replace')!r} at "
+            self._fail(f"no subscriber for {self.topics[0].decode(errors='replace')!r} at "
                        f"{self.endpoint} within {wait:g}s (sent once one subscribes)")
 
     def _fail(self, problem: str) -> None:
@@ -179,21 +246,24 @@ class Publisher:
         hashes = self._pending.pop(group, [])
         if not hashes:
             return
-        if self._socket is not None:
-            self._read_subscriptions()
-        if self._socket is None or not self.subscribed:  # XPUB would filter them out
-            self.dropped += len(hashes)
+        if self._socket is None:
+            self.dropped += len(hashes) * max(len(self.topics), 1)
             return
-        frames = [self.topic, self._seq.to_bytes(8, "big"),
-                  batch_payload(hashes, group, time.time())]
-        try:
-            self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK)
-        except self._zmq.ZMQError as err:  # Again: the subscriber's queue is full
-            self.dropped += len(hashes)
-            self._fail(f"dropped events: {err}")
-            return
-        self._seq += 1
-        self.published += len(hashes)
+        self._read_subscriptions()
+        payload = batch_payload(hashes, group, time.time())
+        for topic in self.topics:
+            if not self._subscribed(topic):  # XPUB would filter it out
+                self.dropped += len(hashes)
+                continue
+            frames = [topic, self._seq.to_bytes(8, "big"), payload]
+            try:
+                self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK)
+            except self._zmq.ZMQError as err:  # Again: the subscriber's queue is full
+                self.dropped += len(hashes)
+                self._fail(f"dropped events: {err}")
+                continue
+            self._seq += 1
+            self.published += len(hashes)
 
     def close(self) -> None:
         with self._lock:

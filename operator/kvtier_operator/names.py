@@ -44,6 +44,10 @@ SHM_MOUNT = "/dev/shm"
 # it on as "$KVTIER_KV_TRANSFER_CONFIG", so the JSON never becomes shell text).
 ENV_KV_TRANSFER_CONFIG = "KVTIER_KV_TRANSFER_CONFIG"
 ENV_KV_EVENTS_CONFIG = "KVTIER_KV_EVENTS_CONFIG"  # precise router scoring (vLLM)
+# The evictor's read-only view of event_pods_configmap_name(): one pod identity a line.
+VOLUME_EVENT_PODS = "kvtier-event-pods"
+EVENT_PODS_MOUNT = "/etc/kvtier/event-pods"
+EVENT_PODS_KEY = "pods"
 
 
 def claim_name(tpc: TieredPrefixCache) -> str | None:
@@ -65,6 +69,11 @@ def object_evictor_name(tpc: TieredPrefixCache) -> str:
 
 def router_configmap_name(tpc: TieredPrefixCache) -> str:
     return tpc.spec.router.config_map_name or f"{tpc.name}-router"
+
+
+def event_pods_configmap_name(tpc: TieredPrefixCache) -> str:
+    """The engine pods' router identities the evictor publishes its removals under."""
+    return f"{tpc.name}-event-pods"
 
 
 def owned_labels(tpc: TieredPrefixCache, component: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ from kvtier_operator.gateway import ApiRejected, Gateway
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.render.cronjob import render_cronjob
+from kvtier_operator.render.event_pods import render_event_pods_configmap
 from kvtier_operator.render.object_evictor import render_object_evictor
 from kvtier_operator.render.pod import config_hash
 from kvtier_operator.render.pvc import render_pvc
@@ -272,6 +273,14 @@ def _router_capacity(tpc: TieredPrefixCache, router: dict[str, Any] | None,
     return RouterCapacityStatus(cpu_blocks=blocks, source="engine" if engine else "computed")
 
 
+def _injected_pod_ips(tpc: TieredPrefixCache, pods: list[PodView]) -> list[str]:
+    """The addresses of the pods this cache injected that run (the evictor's event
+    pods); a pod without an address yet joins at a later reconcile."""
+    return [pod.ip for pod in pods
+            if pod.namespace == tpc.namespace and pod.cache == tpc.name and pod.active
+            and not pod.opted_out and pod.ip]
+
+
 def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[PodView],
               runs: list[EvictorRun], now: str,
               conflicts: dict[str, str] | None = None,
@@ -299,8 +308,15 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
         ctx = replace(ctx, observed_cpu_blocks=tiers.cpu_capacity_tokens
                       // adapter.router_block_size(tpc.spec))
     storage = reconcile_storage(tpc, gw, events)
-    cron_error = _apply_owned(tpc, gw, render_cronjob(tpc, ctx), "CronJob",
-                              names.cronjob_name(tpc), events)
+    cronjob = render_cronjob(tpc, ctx)
+    # The pods' identities the evictor publishes its removals under: updated as pods come
+    # and go (every reconcile; unchanged content is no write), gone with the CronJob.
+    event_pods_error = _apply_owned(
+        tpc, gw, render_event_pods_configmap(tpc, _injected_pod_ips(tpc, pods))
+        if cronjob is not None else None,
+        "ConfigMap", names.event_pods_configmap_name(tpc), events)
+    cron_error = _apply_owned(tpc, gw, cronjob, "CronJob", names.cronjob_name(tpc), events)
+    cron_error = event_pods_error or cron_error
     object_cron_error = _apply_owned(tpc, gw, render_object_evictor(tpc, ctx), "CronJob",
                                      names.object_evictor_name(tpc), events)
     cron_error = cron_error or object_cron_error

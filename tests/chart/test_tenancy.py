@@ -198,6 +198,58 @@ def test_a_cronjob_that_is_not_the_evictor_is_denied(policies, change):
                     user="system:serviceaccount:ml:ci") == []
 
 
+def publishing_evictor_cronjob() -> dict:
+    """The evictor of a cache whose router takes eviction events: it mounts the cache's
+    <name>-event-pods ConfigMap (the pods it publishes to, #33), read-only."""
+    (deployment,) = by_kind(render(), "Deployment")
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    doc = merge(tpc_doc(), {"metadata": {"uid": "u-1"}, "spec": {"router": {
+        "enabled": True, "scoring": "precise", "evictionEventsEndpoint": "tcp://epp:5590"}}})
+    cronjob = render_cronjob(parse_tpc(doc), RenderContext(evictor_image=image))
+    assert cronjob is not None
+    assert any("configMap" in v for v in _pod(cronjob)["volumes"])
+    return cronjob
+
+
+def _event_pods_volume(cronjob: dict) -> dict:
+    return next(v for v in _pod(cronjob)["volumes"] if "configMap" in v)
+
+
+def _event_pods_mount(cronjob: dict) -> dict:
+    return next(m for m in _pod(cronjob)["containers"][0]["volumeMounts"]
+                if m["name"] == _event_pods_volume(cronjob)["name"])
+
+
+HOSTILE_EVENT_PODS = {
+    "another ConfigMap": lambda c: _event_pods_volume(c)["configMap"].update(name="other"),
+    "another cache's ConfigMap": lambda c: _event_pods_volume(c)["configMap"].update(
+        name="db-event-pods"),
+    "a second ConfigMap": lambda c: _pod(c)["volumes"].append(
+        {"name": "x", "configMap": {"name": "other"}}),
+    "a Secret instead": lambda c: _pod(c).update(volumes=[
+        v if "configMap" not in v else {"name": v["name"],
+                                        "secret": {"secretName": "cache-event-pods"}}
+        for v in _pod(c)["volumes"]]),
+    "mounted writable": lambda c: _event_pods_mount(c).update(readOnly=False),
+    "mounted without readOnly": lambda c: _event_pods_mount(c).pop("readOnly"),
+    "on the object evictor": lambda c: c["metadata"]["labels"].update(
+        {"kvtier.dev/component": "object-evictor"}),
+}
+
+
+def test_the_publishing_evictor_cronjob_kvtier_renders_is_allowed(policies):
+    cronjob = publishing_evictor_cronjob()
+    assert admitted(policies["cronjobs"], "CREATE", "cronjobs", cronjob) == []
+    assert admitted(policies["cronjobs"], "UPDATE", "cronjobs", cronjob, cronjob) == []
+
+
+@pytest.mark.parametrize("change", sorted(HOSTILE_EVENT_PODS))
+def test_only_the_cache_s_event_pods_configmap_read_only_is_allowed(policies, change):
+    cronjob = publishing_evictor_cronjob()
+    HOSTILE_EVENT_PODS[change](cronjob)
+    assert admitted(policies["cronjobs"], "CREATE", "cronjobs", cronjob) != []
+
+
 OBJECTS = {"bucket": "kv-cache", "endpoint": "https://rgw.storage.svc:443", "budget": "10Ti",
            "credentialsSecret": {"name": "kv-s3", "sessionTokenKey": "token"}}
 

@@ -229,3 +229,77 @@ def test_the_payload_is_vllms_block_removed():
                                    type=kv_events.KVEventBatch)
     assert batch == kv_events.KVEventBatch(ts=1.5, events=[kv_events.BlockRemoved(
         block_hashes=[1, 2**64 - 1, 200], medium="STORAGE", group_idx=1)])
+
+
+def run_for_pods(root, endpoint, pods_file, capsys):
+    code = cli.main(["--root", str(root), "--layout", "kvtier", "--capacity-bytes", "100",
+                     "--high-watermark", "10", "--low-watermark", "1",
+                     "--min-idle-seconds", "0", "--events-endpoint", endpoint,
+                     "--events-topic", TOPIC, "--events-pods-file", str(pods_file),
+                     "--ok-exit-zero"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return code, report
+
+
+def test_each_pod_gets_every_removal_under_its_own_topic(tmp_path, capsys):
+    """The router (ebab687) keys entries by the topic's pod segment, with no pool
+    identity (#2586): each pod the operator listed gets its own copy of every batch."""
+    root = tmp_path / "kv"
+    blocks = {(os.urandom(32), group) for group in (0, 1) for _ in range(150)}
+    for block, group in blocks:
+        kvtier_file(root, block, group, size=1)
+    pods = ["10.0.0.7:5557", "fd00::12:5557"]
+    pods_file = tmp_path / "pods"
+    pods_file.write_text("".join(f"{p}\n" for p in pods) + "not-a-pod\n")
+    port = free_port()
+    router = Router(port)
+    try:
+        code, report = run_for_pods(root, f"tcp://127.0.0.1:{port}", pods_file, capsys)
+    finally:
+        messages = router.close()
+    assert code == 0 and report["files_deleted"] == 300, report
+    assert report["events_published"] == 600 and report["events_dropped"] == 0, report
+    assert "not-a-pod" in report["events_problem"]
+    want = {(vllm_hash64(block), group) for block, group in blocks}
+    for pod in pods:
+        got = set()
+        for topic, _, batch in messages:
+            if topic == f"kv@{pod}@m".encode():
+                for event in batch.events:
+                    assert isinstance(event, kv_events.BlockRemoved)
+                    assert event.medium == "STORAGE"
+                    got.update((h, event.group_idx) for h in event.block_hashes)
+        assert got == want, pod
+    assert {topic for topic, _, _ in messages} == {f"kv@{p}@m".encode() for p in pods}
+
+
+@pytest.mark.parametrize("content", [None, "", "\n\n", "pod-a:5557\n10.0.0.1:0\n"])
+def test_no_pods_publishes_nothing_and_says_why(tmp_path, capsys, content):
+    root = tmp_path / "kv"
+    for _ in range(3):
+        kvtier_file(root, os.urandom(32))
+    pods_file = tmp_path / "pods"
+    if content is not None:
+        pods_file.write_text(content)
+    port = free_port()
+    router = Router(port)
+    try:
+        code, report = run_for_pods(root, f"tcp://127.0.0.1:{port}", pods_file, capsys)
+    finally:
+        messages = router.close(quiet=0.2)
+    assert code == 0 and report["files_deleted"] == 3, report
+    assert report["events_published"] == 0 and report["events_dropped"] == 3, report
+    assert str(pods_file) in report["events_problem"]
+    assert messages == []
+
+
+def test_the_pods_file_is_read_bounded(tmp_path):
+    from kvtier_evictor.events import EVENT_PODS_MAX_LINES, read_event_pods
+
+    pods_file = tmp_path / "pods"
+    pods_file.write_text("".join(f"10.1.{i // 250}.{i % 250}:5557\n" for i in range(5000)))
+    pods, problem = read_event_pods(str(pods_file))
+    assert len(pods) == EVENT_PODS_MAX_LINES and problem
+    pods_file.write_text("10.0.0.1:5557\n" + "x" * 200_000)
+    pods, problem = read_event_pods(str(pods_file))
+    assert pods == ["10.0.0.1:5557"] and "bytes" in problem

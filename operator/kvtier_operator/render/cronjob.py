@@ -9,6 +9,7 @@ from kvtier_operator.api.quantity import quantity_bytes
 from kvtier_operator.api.v1alpha1 import CapacitySource, TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.render.event_pods import publishes_events
 
 EVICTOR_MOUNT = "/kv-cache"
 EVICTOR_UID = 65532
@@ -42,12 +43,14 @@ def evictor_args(tpc: TieredPrefixCache) -> list[str]:
         if storage.pvc is not None:
             args += ["--capacity-bytes", str(quantity_bytes(storage.pvc.size))]
     endpoint = tpc.spec.router.eviction_events_endpoint
-    if tpc.spec.router.enabled and endpoint is not None:
+    if publishes_events(tpc) and endpoint is not None:
         # The router binds this port (render/router.py); layouts without a hash mapping
-        # count their names as ignored. The topic's identity is the
-        # cache's, as on the engines' own events (engines/vllm/gpu.kv_events_config).
+        # count their names as ignored. The topic's model segment is the engines' own
+        # (engines/vllm/gpu.kv_events_config); the evictor publishes once per pod listed in
+        # the event-pods file, under that pod's identity (render/event_pods.py).
         args += ["--events-endpoint", endpoint,
-                 "--events-topic", f"kv@{tpc.metadata.name}@{tpc.spec.model.name}"]
+                 "--events-topic", f"kv@{tpc.metadata.name}@{tpc.spec.model.name}",
+                 "--events-pods-file", f"{names.EVENT_PODS_MOUNT}/{names.EVENT_PODS_KEY}"]
     return args
 
 
@@ -77,7 +80,9 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
         "imagePullPolicy": ctx.image_pull_policy,
         "command": ["kvtier-evictor"],
         "args": evictor_args(tpc),
-        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": EVICTOR_MOUNT}],
+        "volumeMounts": [{"name": names.VOLUME_CACHE, "mountPath": EVICTOR_MOUNT}, *(
+            [{"name": names.VOLUME_EVENT_PODS, "mountPath": names.EVENT_PODS_MOUNT,
+              "readOnly": True}] if publishes_events(tpc) else [])],
         "resources": {
             "requests": {"cpu": "100m", "memory": "128Mi"},
             "limits": {"cpu": "2", "memory": "512Mi"},
@@ -113,8 +118,15 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
                             "automountServiceAccountToken": False,
                             "securityContext": pod_security,
                             "containers": [container],
-                            "volumes": [{"name": names.VOLUME_CACHE,
-                                         "persistentVolumeClaim": {"claimName": claim}}],
+                            "volumes": [
+                                {"name": names.VOLUME_CACHE,
+                                 "persistentVolumeClaim": {"claimName": claim}}, *(
+                                    # optional: without it the run publishes nothing
+                                    # and says why; eviction never waits for it
+                                    [{"name": names.VOLUME_EVENT_PODS, "configMap": {
+                                        "name": names.event_pods_configmap_name(tpc),
+                                        "optional": True}}]
+                                    if publishes_events(tpc) else [])],
                         },
                     },
                 },

@@ -1,0 +1,77 @@
+"""The engine pods' router identities the evictor publishes its removals under (#33,
+router #2586): rendered into the cache's <name>-event-pods ConfigMap, updated by the
+reconcile as pods come and go, mounted read-only into the evictor CronJob."""
+
+from __future__ import annotations
+
+from kvtier_operator import names
+from kvtier_operator.render.event_pods import MAX_EVENT_PODS
+from tests.operator.unit.test_reconcile import FakeGateway, body, decode_pod, pod_view, run
+
+PUBLISHING = {"router": {"enabled": True, "scoring": "precise",
+                         "evictionEventsEndpoint": "tcp://epp:5590"}}
+KEY = ("ConfigMap", "ml", "cache-event-pods")
+
+
+def running(name, ip, cache="cache"):
+    pod = decode_pod(name, f"uid-{name}", "h")
+    pod["metadata"]["annotations"]["kvtier.dev/cache"] = cache
+    pod["status"]["podIP"] = ip
+    return pod_view(pod)
+
+
+def listed(gw):
+    return gw.store[KEY]["data"][names.EVENT_PODS_KEY].splitlines()
+
+
+def test_the_injected_pods_are_listed_and_follow_the_pods():
+    gw = FakeGateway()
+    doc = body(PUBLISHING)
+    pods = [running("decode-0", "10.0.0.2"), running("decode-1", "10.0.0.1"),
+            running("other", "10.0.0.9", cache="another"), running("starting", None)]
+    outcome = run(gw, doc, pods)
+    assert outcome.ok
+    assert listed(gw) == ["10.0.0.1:5557", "10.0.0.2:5557"]
+    owner = gw.store[KEY]["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "u-1" and owner["controller"]
+    run(gw, doc, [running("decode-1", "10.0.0.1"), running("decode-2", "10.0.0.3")])
+    assert listed(gw) == ["10.0.0.1:5557", "10.0.0.3:5557"]
+    writes = len([c for c in gw.calls if c[0] in ("create", "patch") and c[2] == KEY[2]])
+    run(gw, doc, [running("decode-1", "10.0.0.1"), running("decode-2", "10.0.0.3")])
+    assert len([c for c in gw.calls if c[0] in ("create", "patch") and c[2] == KEY[2]]) \
+        == writes  # unchanged pods: no write
+
+
+def test_the_list_is_bounded():
+    gw = FakeGateway()
+    pods = [running(f"d-{i}", f"10.1.{i // 200}.{i % 200}") for i in range(MAX_EVENT_PODS + 50)]
+    run(gw, body(PUBLISHING), pods)
+    assert len(listed(gw)) == MAX_EVENT_PODS
+
+
+def test_the_evictor_reads_it_read_only_at_a_fixed_path():
+    gw = FakeGateway()
+    run(gw, body(PUBLISHING), [running("decode-0", "10.0.0.2")])
+    pod = gw.store["CronJob", "ml", "cache-evictor"]["spec"]["jobTemplate"]["spec"][
+        "template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--events-pods-file") + 1] == \
+        f"{names.EVENT_PODS_MOUNT}/{names.EVENT_PODS_KEY}"
+    assert {"name": names.VOLUME_EVENT_PODS, "mountPath": names.EVENT_PODS_MOUNT,
+            "readOnly": True} in container["volumeMounts"]
+    assert {"name": names.VOLUME_EVENT_PODS,
+            "configMap": {"name": "cache-event-pods", "optional": True}} in pod["volumes"]
+
+
+def test_no_publishing_no_configmap():
+    gw = FakeGateway()
+    doc = body(PUBLISHING)
+    run(gw, doc, [running("decode-0", "10.0.0.2")])
+    assert KEY in gw.store
+    doc["spec"]["router"].pop("evictionEventsEndpoint")
+    run(gw, doc, [running("decode-0", "10.0.0.2")])
+    assert KEY not in gw.store
+    cron = gw.store["CronJob", "ml", "cache-evictor"]["spec"]["jobTemplate"]["spec"][
+        "template"]["spec"]
+    assert [v["name"] for v in cron["volumes"]] == [names.VOLUME_CACHE]
