@@ -155,6 +155,10 @@ LOADED_REQUESTS = 4096  # requests whose loaded keys (and lookup waits) the mana
 # block not announced, or a stale router entry: never a wrong byte).
 ANNOUNCED_KEYS = 1 << 20
 CHECKED_KEYS = 1 << 16
+# How long after its store completes a block's file is still looked for (the job is
+# acknowledged at its device copy, the write may still be queued): past this, a file not
+# there is a write that was dropped, and nothing is announced.
+LANDING_SECONDS = 60.0
 
 
 def _flag(value: object) -> bool:
@@ -214,7 +218,8 @@ class KvtierOffloadingManager(OffloadingManager):
         # or evicted) is announced removed.
         self.events = events
         self._announced: OrderedDict[bytes, None] = OrderedDict()
-        self._to_check: OrderedDict[bytes, None] = OrderedDict()
+        # key -> until when (monotonic) a missing file may still be a write in flight
+        self._to_check: OrderedDict[bytes, float] = OrderedDict()
         # Keys each request has loaded, while its load may have failed. vLLM's
         # complete_load() does not say whether it succeeded: a request that looks up a
         # key it loaded is taken to be back from a failed load (to recompute), and gets a
@@ -373,7 +378,7 @@ class KvtierOffloadingManager(OffloadingManager):
             for store in self.stores:
                 store.forget(key)
             if self.events is not None:
-                self._to_check[key] = None
+                self._to_check[key] = self._clock() + LANDING_SECONDS
                 self._to_check.move_to_end(key)
         while len(self._to_check) > CHECKED_KEYS:
             self._to_check.popitem(last=False)
@@ -386,16 +391,23 @@ class KvtierOffloadingManager(OffloadingManager):
         if self.events is None:
             return ()
         stored, removed = [], []
-        for key in list(self._to_check):
+        now = self._clock()
+        for key, until in list(self._to_check.items()):
             answers = [store.lookup(key) for store in self.stores]
             if False not in answers and None in answers:
                 continue
-            del self._to_check[key]
             if False in answers:
                 if key in self._announced:
                     del self._announced[key]
                     removed.append(key)
-            elif key not in self._announced:
+                elif now < until:
+                    # A store is acknowledged at its device fence, before its file is
+                    # written: not there yet is not "never", until LANDING_SECONDS.
+                    continue
+                del self._to_check[key]
+                continue
+            del self._to_check[key]
+            if key not in self._announced:
                 self._announced[key] = None
                 stored.append(key)
         while len(self._announced) > ANNOUNCED_KEYS:

@@ -115,6 +115,7 @@ def test_gpu_direct_announces_stores_that_landed_and_files_found_gone(tmp_path):
 
     from vllm.v1.kv_offload.base import Medium, ReqContext
 
+    from kvtier_offload import vllm_spec
     from kvtier_offload.store import BlockStore, StoreConfig
     from kvtier_offload.tier_events import TierEvents
     from kvtier_offload.vllm_spec import KvtierOffloadingManager
@@ -123,9 +124,10 @@ def test_gpu_direct_announces_stores_that_landed_and_files_found_gone(tmp_path):
     landed, dropped = b"\x0a" * 36, b"\x0b" * 36
     writer.store(1, [(landed, memoryview(bytearray(4096)))])
     writer.drain()
+    now = [time.monotonic()]
     manager = KvtierOffloadingManager(
         BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16)),
-        TierEvents(Medium.STORAGE))
+        events=TierEvents(Medium.STORAGE), clock=lambda: now[0])
     ctx = ReqContext(req_id="r")
 
     def steps(until, timeout=10.0):
@@ -140,7 +142,19 @@ def test_gpu_direct_announces_stores_that_landed_and_files_found_gone(tmp_path):
         events = steps(lambda ev: any(not e.removed for e in ev))
         assert [(e.keys, e.removed, e.medium) for e in events] == [
             ([landed], False, Medium.STORAGE)]
-        assert not manager._to_check  # the dropped one was looked at and let go
+        # A store is acknowledged at its device fence, before its file is written: a file
+        # not there yet is looked for again, and announced once it lands.
+        assert list(manager._to_check) == [dropped]
+        writer.store(2, [(dropped, memoryview(bytearray(4096)))])
+        writer.drain()
+        events = steps(lambda ev: any(not e.removed for e in ev))
+        assert [(e.keys, e.removed) for e in events] == [([dropped], False)]
+        late_never = b"\x0c" * 36
+        manager.complete_store([late_never], ctx, success=True)
+        assert steps(lambda ev: False, timeout=0.2) == [] and list(manager._to_check)
+        now[0] += vllm_spec.LANDING_SECONDS + 1  # a write dropped: let go, never announced
+        assert steps(lambda ev: False, timeout=0.2) == []
+        assert not manager._to_check
         manager.complete_load([landed], ctx)
         os.unlink(writer.layout.path(landed))
         manager.loads_failed(["r"])

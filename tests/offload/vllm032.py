@@ -29,6 +29,26 @@ SHIM = True  # vllm.v1.kv_offload.base.SHIM: which one was imported
 OffloadKey = NewType("OffloadKey", bytes)
 
 
+class Medium(enum.Enum):
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+class Locality(enum.Enum):
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+@dataclass
+class OffloadingEvent:
+    keys: list[OffloadKey]
+    medium: Medium
+    removed: bool  # True: the blocks were removed; False: stored
+    locality: Locality | None = None
+    ownership: str | None = None  # the secondary tier that sent it; None: the primary
+    removal_expected: bool = False
+
+
 class LookupResult(enum.Enum):
     MISS = enum.auto()
     HIT = enum.auto()
