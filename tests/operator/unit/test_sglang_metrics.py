@@ -9,6 +9,7 @@ import pytest
 
 from kvtier_operator.engines.sglang.metrics import FAMILIES, NOT_ENABLED, read
 from kvtier_operator.observe.page import parse
+from kvtier_operator.observe.window import PodHistory, WindowSum
 from tests.helpers import ROOT
 
 PAGES = ROOT / "tests" / "fixtures" / "metrics"
@@ -60,3 +61,17 @@ def test_parsing_only_the_families_read_gives_the_same_figures(name):
     every, only = (read(samples(name, families), TIERS) for families in (None, FAMILIES))
     assert (only.counters, only.gauges, only.histograms, only.missing) == \
         (every.counters, every.gauges, every.histograms, every.missing)
+
+
+def test_a_window_from_before_the_first_request_counts_every_token_since():
+    """SGLang creates its token series at the first request: a pod read before it and
+    after counts the whole of them over the window (the pod had a baseline read)."""
+    history = PodHistory()
+    for i, name in enumerate((IDLE, HIT)):
+        history.add(30.0 * i, read(samples(name), TIERS), window=300)
+    window = WindowSum()
+    window.add(history, 30.0)
+    assert window.counters[("prompt_tokens", "")] == 600
+    assert window.counters[("hit_tokens", "cpu")] == window.counters[("hit_tokens", "storage")] == 192
+    assert window.counters[("bytes_loaded", "cpu")] == 2 * 2 * 192 * 256
+    assert window.gauges[("capacity_tokens", "cpu")] == [4096]
