@@ -60,12 +60,7 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
     if storage is None or claim is None or evictor_layout(tpc) is None:
         return None
     ev = tpc.spec.eviction
-    pod_security: dict[str, Any] = {
-        "runAsNonRoot": True,
-        "runAsUser": EVICTOR_UID,
-        "runAsGroup": EVICTOR_UID,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    pod_security = pod_security_context()
     # The model servers' group: eviction.fsGroup, else the one they write the tier as.
     group = ev.fs_group
     if group is None and storage.permissions is not None:
@@ -73,7 +68,6 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
     if group is not None:
         pod_security["fsGroup"] = group
         pod_security["fsGroupChangePolicy"] = "OnRootMismatch"
-    labels = names.owned_labels(tpc, "evictor")
     container = {
         "name": "evictor",
         "image": ctx.evictor_image,
@@ -95,41 +89,48 @@ def render_cronjob(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[str, Any]
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "CronJob",
-        "metadata": names.metadata(tpc, names.cronjob_name(tpc), "evictor", owned=True),
+    volumes = [{"name": names.VOLUME_CACHE, "persistentVolumeClaim": {"claimName": claim}},
+               # optional: without it the run publishes nothing and says why; eviction
+               # never waits for it
+               *([{"name": names.VOLUME_EVENT_PODS, "configMap": {
+                   "name": names.event_pods_configmap_name(tpc), "optional": True}}]
+                 if publishes_events(tpc) else [])]
+    return job_cronjob(tpc, names.cronjob_name(tpc), "evictor", ev.schedule,
+                       {"securityContext": pod_security, "containers": [container],
+                        "volumes": volumes}, suspend=ev.suspend)
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The evictors' pods: non-root as EVICTOR_UID, seccomp RuntimeDefault."""
+    return {"runAsNonRoot": True, "runAsUser": EVICTOR_UID, "runAsGroup": EVICTOR_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def job_cronjob(tpc: TieredPrefixCache, name: str, component: str, schedule: str,
+                pod_spec: dict[str, Any], suspend: bool | None = None) -> dict[str, Any]:
+    """A CronJob the cache owns, as kvtier runs its evictors: one run at a time, no
+    retries, an hour at most, no service-account token; pod_spec adds the rest."""
+    labels = names.owned_labels(tpc, component)
+    spec: dict[str, Any] = {
+        "schedule": schedule,
+        "concurrencyPolicy": "Forbid",
+        "startingDeadlineSeconds": 120,
+        "successfulJobsHistoryLimit": 3,
+        "failedJobsHistoryLimit": 3,
+    }
+    if suspend is not None:
+        spec["suspend"] = suspend
+    spec["jobTemplate"] = {
+        "metadata": {"labels": labels},
         "spec": {
-            "schedule": ev.schedule,
-            "concurrencyPolicy": "Forbid",
-            "startingDeadlineSeconds": 120,
-            "successfulJobsHistoryLimit": 3,
-            "failedJobsHistoryLimit": 3,
-            "suspend": ev.suspend,
-            "jobTemplate": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 3600,
+            "template": {
                 "metadata": {"labels": labels},
-                "spec": {
-                    "backoffLimit": 0,
-                    "activeDeadlineSeconds": 3600,
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "automountServiceAccountToken": False,
-                            "securityContext": pod_security,
-                            "containers": [container],
-                            "volumes": [
-                                {"name": names.VOLUME_CACHE,
-                                 "persistentVolumeClaim": {"claimName": claim}}, *(
-                                    # optional: without it the run publishes nothing
-                                    # and says why; eviction never waits for it
-                                    [{"name": names.VOLUME_EVENT_PODS, "configMap": {
-                                        "name": names.event_pods_configmap_name(tpc),
-                                        "optional": True}}]
-                                    if publishes_events(tpc) else [])],
-                        },
-                    },
-                },
+                "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                         **pod_spec},
             },
         },
     }
+    return {"apiVersion": "batch/v1", "kind": "CronJob",
+            "metadata": names.metadata(tpc, name, component, owned=True), "spec": spec}

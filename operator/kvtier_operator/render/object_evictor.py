@@ -15,10 +15,10 @@ from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
 from kvtier_operator.context import RenderContext
 from kvtier_operator.engines.chained_tiers import credential_env
+from kvtier_operator.render.cronjob import job_cronjob, pod_security_context
 from kvtier_operator.validation.object_endpoints import object_endpoint_refusal
 
 OBJECT_EVICTOR = "object-evictor"  # its container and component label
-EVICTOR_UID = 65532
 
 
 def object_evictor_args(tpc: TieredPrefixCache) -> list[str]:
@@ -41,7 +41,6 @@ def render_object_evictor(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[st
         return None
     if object_endpoint_refusal(tpc.spec, ctx.allowed_object_endpoints):
         return None  # its endpoint is not one the admin allows: no job gets the Secret
-    labels = names.owned_labels(tpc, OBJECT_EVICTOR)
     container = {
         "name": OBJECT_EVICTOR,
         "image": ctx.offload_image,
@@ -60,37 +59,6 @@ def render_object_evictor(tpc: TieredPrefixCache, ctx: RenderContext) -> dict[st
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "CronJob",
-        "metadata": names.metadata(tpc, names.object_evictor_name(tpc), OBJECT_EVICTOR,
-                                   owned=True),
-        "spec": {
-            "schedule": tpc.spec.object_store.eviction_schedule,
-            "concurrencyPolicy": "Forbid",
-            "startingDeadlineSeconds": 120,
-            "successfulJobsHistoryLimit": 3,
-            "failedJobsHistoryLimit": 3,
-            "jobTemplate": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "backoffLimit": 0,
-                    "activeDeadlineSeconds": 3600,
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "automountServiceAccountToken": False,
-                            "securityContext": {
-                                "runAsNonRoot": True,
-                                "runAsUser": EVICTOR_UID,
-                                "runAsGroup": EVICTOR_UID,
-                                "seccompProfile": {"type": "RuntimeDefault"},
-                            },
-                            "containers": [container],
-                        },
-                    },
-                },
-            },
-        },
-    }
+    return job_cronjob(tpc, names.object_evictor_name(tpc), OBJECT_EVICTOR,
+                       tpc.spec.object_store.eviction_schedule,
+                       {"securityContext": pod_security_context(), "containers": [container]})
