@@ -340,3 +340,40 @@ def test_the_index_slots_hold_one_id_per_block_of_every_file(tmp_path):
     assert arena.rows.shape[1] == PER_FILE * worker.page_total
     assert np.shares_memory(arena.slot_array, arena.row_array)
     worker.shutdown()
+
+
+def test_the_router_sees_the_same_hash_from_the_engine_and_the_evictor(tmp_path):
+    """A file of a 64-token chunk is named by vLLM's OffloadKey of that chunk (the hash of
+    its last GPU block and the group, as in tier mode's 256-token files). The manager
+    announces it stored through vLLM's events, and the evictor, deleting it, announces
+    the hash it reads from the file name: the router gets the same (hash, group)."""
+    import time
+
+    from vllm.v1.kv_offload.base import Medium, ReqContext, get_offload_block_hash, make_offload_key
+
+    from kvtier_evictor.events import block_id
+    from kvtier_offload.tier_events import TierEvents
+    from kvtier_offload.vllm_spec import KvtierOffloadingManager
+
+    caches = kv_caches("per-layer", DTYPES["bf16"], "cpu", num_blocks=24)
+    worker = _worker(tmp_path, caches)
+    import hashlib
+
+    hashes = [hashlib.sha256(bytes([n])).digest() for n in range(8)]  # one per GPU block
+    keys = [make_offload_key(hashes[i * PER_FILE + PER_FILE - 1], 1) for i in range(2)]
+    _store(worker, 1, list(range(8)), keys)
+    manager = KvtierOffloadingManager(worker.store, tokens_per_key=16 * PER_FILE,
+                                      events=TierEvents(Medium.STORAGE))
+    manager.complete_store(keys, ReqContext(req_id="r"))
+    announced: list = []
+    deadline = time.monotonic() + 10
+    while len(announced) < 2:
+        assert time.monotonic() < deadline, "the stores were never announced"
+        announced += [k for e in manager.take_events() if not e.removed for k in e.keys]
+        time.sleep(0.01)
+    engine = sorted((int.from_bytes(get_offload_block_hash(k)[-8:], "big"), 1)
+                    for k in announced)
+    evictor = sorted(block_id("kvtier", str(p)) for p in tmp_path.rglob("*.kvb"))
+    assert engine == evictor == sorted(
+        (int.from_bytes(hashes[i][-8:], "big"), 1) for i in (3, 7))
+    worker.shutdown()
