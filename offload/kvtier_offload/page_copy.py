@@ -46,9 +46,8 @@ class PageAddresses:
         rows = np.asarray(rows, dtype=np.int64)[:, None]
         cache = (self.base + ids * self.stride).ravel()
         staging = (self.row_base + rows * self.row_bytes + self.offset).ravel()
-        sizes = np.broadcast_to(self.size, (len(ids), len(self.size))).ravel()
-        return (torch.from_numpy(cache), torch.from_numpy(staging),
-                torch.from_numpy(np.ascontiguousarray(sizes)))
+        sizes = np.tile(self.size, len(ids))
+        return torch.from_numpy(cache), torch.from_numpy(staging), torch.from_numpy(sizes)
 
 
 def vllm_batch_copy() -> BatchCopy | None:

@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier_offload.cudart_copy import runtime_batch_copy
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
@@ -535,19 +536,30 @@ class KvtierOffloadingWorker(OffloadingWorker):
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
         self._staging = self.arena.slots.view(wide)
         self._widths = [v.shape[1] for v in self._views]
-        # page_copy: "auto" copies pages by address with vLLM's swap_blocks_batch where
-        # the cache is on a GPU and vLLM has it (one call per piece, copy engines only),
-        # else with gather/scatter kernels ("kernels"); "addresses" insists on copying by
-        # address (by memmove on CPU).
+        # page_copy: "auto" copies pages by address where the cache is on a GPU (one call
+        # per piece, copy engines only): with vLLM's swap_blocks_batch where vLLM has it,
+        # else with the CUDA runtime's cudaMemcpyBatchAsync (cudart_copy: torch alone,
+        # CUDA 12.8+); else with gather/scatter kernels ("kernels"). "addresses" insists
+        # on copying by address (by memmove on CPU).
         self._batch_copy: BatchCopy | None = None
+        self.copier = "kernels"  # which copies pages: kernels, vllm, cuda-runtime, memmove
         if page_copy not in ("auto", "kernels", "addresses"):
             raise ValueError(f"page_copy is auto, kernels or addresses, not {page_copy!r}")
         if page_copy != "kernels":
-            self._batch_copy = vllm_batch_copy() if self.cuda else (
-                memmove_batch_copy if page_copy == "addresses" else None)
+            if self.cuda:
+                self._batch_copy = vllm_batch_copy()
+                self.copier = "vllm"
+                if self._batch_copy is None:
+                    self._batch_copy = runtime_batch_copy(self.device, self.arena.buffer)
+                    self.copier = "cuda-runtime"
+            elif page_copy == "addresses":
+                self._batch_copy, self.copier = memmove_batch_copy, "memmove"
             if page_copy == "addresses" and self._batch_copy is None:
                 raise ValueError("page_copy=addresses needs vLLM's swap_blocks_batch (a "
-                                 "CUDA build of vLLM) for a KV cache on a GPU")
+                                 "CUDA build of vLLM) or the CUDA runtime's "
+                                 "cudaMemcpyBatchAsync (CUDA 12.8+) for a KV cache on a GPU")
+            if self._batch_copy is None:
+                self.copier = "kernels"
         self._addresses = (PageAddresses(self._views, self.arena.slots)
                            if self._batch_copy is not None else None)
         self.page_copy = "addresses" if self._batch_copy is not None else "kernels"
