@@ -68,9 +68,10 @@ class RuntimeBatchCopy:
     def __init__(self, lib: Any, version: int, stream: Callable[[], int]) -> None:
         self._fn = lib.cudaMemcpyBatchAsync
         self._fail_index = version < 13000  # 12.8 - 12.x: a failIdx before the stream
-        self._error = getattr(lib, "cudaGetErrorString", None)
-        with contextlib.suppress(AttributeError):  # a ctypes function: say it returns text
-            self._error.restype = ctypes.c_char_p
+        self._error: Any = getattr(lib, "cudaGetErrorString", None)
+        if self._error is not None:
+            with contextlib.suppress(AttributeError):  # a ctypes function: returns text
+                self._error.restype = ctypes.c_char_p
         self._stream = stream
         self._attrs = {order: MemcpyAttributes(order, MemLocation(0, 0), MemLocation(0, 0),
                                                FLAG_PREFER_OVERLAP)
