@@ -240,7 +240,8 @@ def against_goals(rows: list[dict[str, Any]]) -> list[str]:
     if pairs:
         for r, v in pairs:
             lines.append(f"- against vLLM's CPU-tier copy (B1), {r['shape']}, {r['blocks']} "
-                         f"blocks: store {r['store_gbps'] / v['store_gbps']:.2f}x, load "
+                         f"blocks, pages by {r.get('copier', 'kernels')}: store "
+                         f"{r['store_gbps'] / v['store_gbps']:.2f}x, load "
                          f"{r['load_gbps'] / v['load_gbps']:.2f}x")
     else:
         lines.append("- against vLLM's CPU-tier copy (B1): not measurable here (no vLLM "
