@@ -16,7 +16,15 @@ this prints that it skips).
   are removed after its load, so the scratch volume holds one job at a time;
 - F the volume's own parallel file floor on the same scratch: plain 2 MiB file writes
   and reads on 16 threads, no kvtier; B3 is also given as a ratio to the slower of
-  pinned DMA and this floor.
+  pinned DMA and this floor;
+- B4 files of one 16-token GPU block against 256-token files (vLLM's chunk of 16 blocks,
+  GPU-direct's default now), the same job end to end: GB/s of each, per byte;
+- B5 the engine step's p50/p99 with and without offload: a fixed HBM-bound kernel loop
+  (a CUDA graph of matrix-vector products over 512 MiB, standing in for a decode step's
+  weight reads) ended by a small blocking D2H (the sampled tokens), on the compute stream;
+  with offload each step first polls (get_finished) and submits a 256-token-file store
+  of fresh keys, and every other step a load of files stored before, as vLLM's worker
+  does; baseline and offload phases alternate in rounds on the same warm GPU.
 
 Shapes: 32 layers x 64 KiB pages (an 8B model at TP1) and 80 x 8 KiB (70B at TP8).
 Medians of KVTIER_BENCH_GPU_RUNS runs (20) after 5 warm-ups; KVTIER_BENCH_GPU_QUICK=1
@@ -50,14 +58,24 @@ STAGING = (256 * MiB) if QUICK else (4 << 30)
 FLOOR_FILE = 2 * MiB
 FLOOR_THREADS = 16
 FLOOR_BYTES = (256 * MiB) if QUICK else (2 << 30)
+FILE_BLOCKS = 16  # 256-token files: vLLM's chunk of 16 16-token GPU blocks
+B4_BLOCKS = 32 if QUICK else 256  # the job B4 stores and loads both ways
+STEP_ROUNDS = 2 if QUICK else 6  # B5: alternating baseline and offload phases
+STEPS = 10 if QUICK else 40  # B5: engine steps per phase
+STEP_STORE_BLOCKS = FILE_BLOCKS  # B5: a 256-token store every step
+STEP_MATRIX = (4096, 16384) if QUICK else (16384, 16384)  # B5: bf16 weights per product
+STEP_PRODUCTS = 8 if QUICK else 24  # B5: products per step
 HEADROOM = 64 * MiB  # file headers, directories, the free-space floor's 2%
 
 
 def scratch_bytes() -> int:
-    """What B3 and F write at most at once: the largest job of the largest shape (one
-    job's files at a time), or the floor's files, plus headroom."""
-    job = max(layers * page for layers, page in SHAPES.values()) * max(JOB_BLOCKS)
-    return int(max(job, FLOOR_BYTES) * 1.05) + HEADROOM
+    """What B3, B4, B5 and F write at most at once: the largest job of the largest shape
+    (one job's files at a time), B5's round (its warm files and a store per step), or
+    the floor's files, plus headroom."""
+    block = max(layers * page for layers, page in SHAPES.values())
+    step_round = (4 + STEPS) * STEP_STORE_BLOCKS * block
+    job = block * max(*JOB_BLOCKS, B4_BLOCKS)
+    return int(max(job, step_round, FLOOR_BYTES) * 1.05) + HEADROOM
 
 
 def _use_vllm_types() -> str:
@@ -74,7 +92,16 @@ ROWS: list[dict[str, Any]] = []  # every figure of this run, for run()'s caller
 
 
 def _row(section: str, **figures: Any) -> None:
+    """Keep a figure; with KVTIER_BENCH_GPU_ROWS, also in that JSON file at once, so a
+    run stopped by its time limit still reports what it measured."""
     ROWS.append({"section": section, **figures})
+    path = os.environ.get("KVTIER_BENCH_GPU_ROWS")
+    if path:
+        import json
+
+        with open(path + ".tmp", "w") as f:
+            json.dump(ROWS, f)
+        os.replace(path + ".tmp", path)
 
 
 def _skip_reason() -> str | None:
@@ -230,12 +257,13 @@ def vllm_dma(raw: dict[tuple[str, int], float]) -> None:
         del caches, host
 
 
-def _worker(root: str, caches: Any) -> Any:
+def _worker(root: str, caches: Any, per_file: int = 1, page_copy: str = "auto") -> Any:
     from kvtier_offload.store import BlockStore, StoreConfig
     from kvtier_offload.vllm_spec import KvtierOffloadingWorker
 
     return KvtierOffloadingWorker(BlockStore(StoreConfig(root=root, fingerprint="0" * 16)),
-                                  caches, blocks_per_chunk=1, max_staging_bytes=STAGING)
+                                  caches, blocks_per_chunk=per_file, max_staging_bytes=STAGING,
+                                  page_copy=page_copy)
 
 
 def _gather_all(worker: Any, pieces: list[Any]) -> None:
@@ -245,57 +273,66 @@ def _gather_all(worker: Any, pieces: list[Any]) -> None:
 
 def _scatter_all(worker: Any, pieces: list[Any]) -> None:
     for piece in pieces:
-        worker._scatter(piece, len(piece.keys))
+        worker._scatter(piece, piece.block_ids, piece.slots)
 
 
 def device_phase(raw: dict[tuple[str, int], float], root: str) -> None:
-    """B2: the worker's gather and scatter alone, through its staging region."""
-    from kvtier_offload.page_copy import vllm_batch_copy
-    from kvtier_offload.vllm_spec import _Job
-
-    how = ("by address (vLLM's swap_blocks_batch)" if vllm_batch_copy() is not None
-           else "by gather/scatter kernels (no vLLM CUDA ops here)")
-    print(f"\n### B2 kvtier device phase alone (block store idle; ratio to B0; pages "
-          f"copied {how})\n")
-    print("| shape | blocks | ids | size | gather+D2H | ratio | H2D+scatter | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    """B2: the worker's gather and scatter alone, through its staging region: the pages
+    copied as page_copy=auto picks (vLLM's op, else the CUDA runtime's batched copy) and
+    by the gather/scatter kernels, side by side."""
+    print("\n### B2 kvtier device phase alone (block store idle; ratio to B0; pages copied "
+          "by: vllm = vLLM's swap_blocks_batch, cuda-runtime = cudaMemcpyBatchAsync "
+          "without vLLM, kernels = gather/scatter)\n")
+    print("| shape | copier | blocks | ids | size | gather+D2H | ratio | H2D+scatter | "
+          "ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (layers, page) in SHAPES.items():
         num_blocks = max(JOB_BLOCKS) + 64
         caches = _kv(layers, page, num_blocks)
-        worker = _worker(os.path.join(root, "b2"), caches)
-        for blocks in JOB_BLOCKS:
-            if blocks > worker.arena.num_rows:
-                continue
-            for random in (False, True):
-                ids = _ids(blocks, num_blocks, random)
-                job = _Job(0, "bench", blocks)
-                pieces = worker._pieces(job, [b""] * blocks, ids)
-                for piece in pieces:
-                    piece.run = worker.arena.take(len(piece.keys))
-                    assert piece.run is not None and piece.run.rows == len(piece.keys)
-                    worker.arena.index_array[piece.run.start:piece.run.stop] = piece.block_ids
+        for page_copy in ("auto", "kernels"):
+            worker = _worker(os.path.join(root, "b2"), caches, page_copy=page_copy)
+            if page_copy == "kernels" or worker.copier != "kernels":
+                _device_phase(raw, name, worker, num_blocks)
+            if page_copy == "auto":
+                busy_submit(worker, num_blocks)
+            worker.shutdown()
+            del worker
+        del caches
 
-                gather = functools.partial(_gather_all, worker, pieces)
-                scatter = functools.partial(_scatter_all, worker, pieces)
 
-                nbytes = blocks * worker.page_total
-                t_out = _median_seconds(gather, [worker._store_stream])
-                t_in = _median_seconds(scatter, [worker._load_stream])
-                for piece in pieces:
-                    worker.arena.give(piece.run)
-                _row("B2", shape=name, blocks=blocks, ids="random" if random else "contiguous",
-                     page_copy=worker.page_copy,
-                     bytes=nbytes, store_gbps=nbytes / t_out / 1e9,
-                     store_ratio=_anchor(raw, "d2h", nbytes) / t_out,
-                     load_gbps=nbytes / t_in / 1e9,
-                     load_ratio=_anchor(raw, "h2d", nbytes) / t_in)
-                print(f"| {name} | {blocks} | {'random' if random else 'contiguous'} | "
-                      f"{nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
-                      f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
-                      f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
-        busy_submit(worker, num_blocks)
-        worker.shutdown()
-        del caches, worker
+def _device_phase(raw: dict[tuple[str, int], float], name: str, worker: Any,
+                  num_blocks: int) -> None:
+    from kvtier_offload.vllm_spec import _Job
+
+    for blocks in JOB_BLOCKS:
+        if blocks > worker.arena.num_rows:
+            continue
+        for random in (False, True):
+            ids = _ids(blocks, num_blocks, random)
+            job = _Job(0, "bench", blocks)
+            pieces = worker._pieces(job, [b""] * blocks, ids, np.arange(blocks))
+            for piece in pieces:
+                piece.run = worker.arena.take(len(piece.keys))
+                assert piece.run is not None and piece.run.rows == len(piece.keys)
+
+            gather = functools.partial(_gather_all, worker, pieces)
+            scatter = functools.partial(_scatter_all, worker, pieces)
+
+            nbytes = blocks * worker.page_total
+            t_out = _median_seconds(gather, [worker._store_stream])
+            t_in = _median_seconds(scatter, [worker._load_stream])
+            for piece in pieces:
+                worker.arena.give(piece.run)
+            ids_kind = "random" if random else "contiguous"
+            _row("B2", shape=name, blocks=blocks, ids=ids_kind, page_copy=worker.page_copy,
+                 copier=worker.copier, bytes=nbytes, store_gbps=nbytes / t_out / 1e9,
+                 store_ratio=_anchor(raw, "d2h", nbytes) / t_out,
+                 load_gbps=nbytes / t_in / 1e9,
+                 load_ratio=_anchor(raw, "h2d", nbytes) / t_in)
+            print(f"| {name} | {worker.copier} | {blocks} | {ids_kind} | "
+                  f"{nbytes / MiB:.1f} MiB | {_gbps(nbytes, t_out)} | "
+                  f"{_anchor(raw, 'd2h', nbytes) / t_out:.2f} | {_gbps(nbytes, t_in)} | "
+                  f"{_anchor(raw, 'h2d', nbytes) / t_in:.2f} |")
 
 
 def busy_submit(worker: Any, num_blocks: int) -> None:
@@ -448,6 +485,203 @@ def file_floor(root: str, where: str) -> dict[str, float]:
     return out
 
 
+def _round_trip_seconds(worker: Any, root: str, blocks: int, tag: int,
+                        job: int) -> tuple[float, float]:
+    """Store `blocks` GPU blocks as fresh files and load them back (wall seconds of each,
+    polled as vLLM polls, the store until its files are written); removes the files."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    files = blocks // worker.blocks_per_file
+    keys = [(tag << 40 | i).to_bytes(36, "big") for i in range(files)]
+    start = time.perf_counter()
+    worker.submit_store(job, GPULoadStoreSpec(list(range(blocks)), [blocks], [0]),
+                        KvtierLoadStoreSpec(keys))
+    stored = _finish(worker, {job})
+    t_store = time.perf_counter() - start
+    dst = list(range(blocks, 2 * blocks))
+    start = time.perf_counter()
+    worker.submit_load(job + 1, KvtierLoadStoreSpec(keys), GPULoadStoreSpec(dst, [blocks], [0]))
+    loaded = _finish(worker, {job + 1})
+    t_load = time.perf_counter() - start
+    written = _remove_files(root)
+    if not (stored[job] and loaded[job + 1]) or written != files:
+        raise RuntimeError(f"{blocks} blocks in files of {worker.blocks_per_file}: a job "
+                           f"failed or {written} of {files} files were written")
+    return t_store, t_load
+
+
+def files_per_job(root: str, where: str) -> None:
+    """B4: one job of B4_BLOCKS GPU blocks end to end in 16-token files (one GPU block
+    each) and in 256-token files (FILE_BLOCKS each), alternating, per byte."""
+    print(f"\n### B4 16-token files against 256-token files on {where} (the same job of "
+          f"{B4_BLOCKS} GPU blocks; alternating runs)\n")
+    print("| shape | size | store 16-token | store 256-token | ratio | load 16-token | "
+          "load 256-token | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    job = 1 << 20
+    for shape, (name, (layers, page)) in enumerate(SHAPES.items()):
+        caches = _kv(layers, page, 2 * B4_BLOCKS + 16)
+        workers = {per: _worker(os.path.join(root, f"b4-{shape}-{per}"), caches, per)
+                   for per in (1, FILE_BLOCKS)}
+        times: dict[int, tuple[list[float], list[float]]] = {per: ([], []) for per in workers}
+        for run in range(max(2, RUNS // 4)):
+            for per, worker in workers.items():  # alternating: same load on the volume
+                job += 2
+                t_store, t_load = _round_trip_seconds(
+                    worker, os.path.join(root, f"b4-{shape}-{per}"), B4_BLOCKS,
+                    run << 8 | per, job)
+                times[per][0].append(t_store)
+                times[per][1].append(t_load)
+        nbytes = B4_BLOCKS * workers[1].page_total
+        figures = {per: (nbytes / statistics.median(st) / 1e9,
+                         nbytes / statistics.median(ld) / 1e9)
+                   for per, (st, ld) in times.items()}
+        one, chunk = figures[1], figures[FILE_BLOCKS]
+        _row("B4", shape=name, blocks=B4_BLOCKS, bytes=nbytes, where=where,
+             files={per: B4_BLOCKS // w.blocks_per_file for per, w in workers.items()},
+             store_gbps_16=one[0], store_gbps_256=chunk[0], store_ratio=one[0] / chunk[0],
+             load_gbps_16=one[1], load_gbps_256=chunk[1], load_ratio=one[1] / chunk[1])
+        print(f"| {name} | {nbytes / MiB:.1f} MiB | {one[0]:.1f} GB/s | {chunk[0]:.1f} GB/s "
+              f"| {one[0] / chunk[0]:.2f} | {one[1]:.1f} GB/s | {chunk[1]:.1f} GB/s | "
+              f"{one[1] / chunk[1]:.2f} |")
+        for worker in workers.values():
+            worker.shutdown()
+        del caches, workers
+
+
+class _ModelStep:
+    """A decode step's stand-in on the current (compute) stream: STEP_PRODUCTS matrix-
+    vector products over one weight matrix (HBM-bound, as a decode step's weight reads
+    are), captured once as a CUDA graph where CUDA graphs work (vLLM replays its steps so),
+    then a small blocking copy to the host (the sampled tokens)."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        rows, cols = STEP_MATRIX
+        self.cuda = device.startswith("cuda")
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.weights = torch.randn(rows, cols, device=device).to(dtype)
+        self.x = torch.randn(cols, 16, device=device).to(dtype)
+        self.out = torch.empty(rows, 16, device=device, dtype=dtype)
+        self.graph = None
+        if self.cuda:
+            try:
+                self._products()  # warm-up (cuBLAS picks its kernels) before capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._products()
+                self.graph = graph
+            except RuntimeError as err:  # then the launches are part of the step
+                print(f"(B5: no CUDA graph, eager launches: {err})")
+
+    def _products(self) -> None:
+        import torch
+
+        for _ in range(STEP_PRODUCTS):
+            torch.matmul(self.weights, self.x, out=self.out)
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._products()
+        self.out[:1, :1].to("cpu")  # blocking, as vLLM's sampled-token copy is
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def step_interference(root: str, where: str, device: str = "cuda") -> None:
+    """B5: the engine step's p50/p99 without offload and with it, alternating phases."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier_offload.vllm_spec import KvtierLoadStoreSpec
+
+    name, (layers, page) = next(iter(SHAPES.items()))  # 8B-TP1
+    per_step = STEP_STORE_BLOCKS
+    warm = 4 * per_step  # blocks stored before timing: what the loads read
+    caches = _kv(layers, page, warm + 3 * per_step * STEPS + 16)
+    root_b5 = os.path.join(root, "b5")
+    worker = _worker(root_b5, caches, FILE_BLOCKS)
+    step = _ModelStep(device)
+    warm_keys = [(1 << 60 | i).to_bytes(36, "big") for i in range(warm // FILE_BLOCKS)]
+    worker.submit_store(1, GPULoadStoreSpec(list(range(warm)), [warm], [0]),
+                        KvtierLoadStoreSpec(warm_keys))
+    _finish(worker, {1})
+    job, base = 10, []
+    outcomes: dict[int, bool] = {}
+    with_offload: list[float] = []
+    moved = 0
+    offload_seconds = 0.0
+    for round_ in range(STEP_ROUNDS):
+        for _ in range(2):  # warm: a step or two of each before timing
+            step()
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            step()
+            base.append(time.perf_counter() - start)
+        new_keys: list[bytes] = []
+        pending: set[int] = set()
+        phase = time.perf_counter()
+        for n in range(STEPS):
+            start = time.perf_counter()
+            for result in worker.get_finished():  # vLLM polls once per step
+                outcomes[result.job_id] = result.success
+                pending.discard(result.job_id)
+            first = warm + (n % (2 * STEPS)) * per_step
+            keys = [(round_ << 48 | n << 16 | i).to_bytes(36, "big")
+                    for i in range(per_step // FILE_BLOCKS)]
+            job += 1
+            worker.submit_store(job, GPULoadStoreSpec(list(range(first, first + per_step)),
+                                                      [per_step], [0]),
+                                KvtierLoadStoreSpec(keys))
+            pending.add(job)
+            new_keys += keys
+            moved += per_step
+            if n % 2:  # a load of files stored before, into blocks no store reads
+                job += 1
+                dst = warm + 2 * STEPS * per_step
+                files = warm_keys[:per_step // FILE_BLOCKS]
+                worker.submit_load(job, KvtierLoadStoreSpec(files),
+                                   GPULoadStoreSpec(list(range(dst, dst + per_step)),
+                                                    [per_step], [0]))
+                pending.add(job)
+                moved += per_step
+            step()
+            with_offload.append(time.perf_counter() - start)
+        outcomes |= _finish(worker, pending)
+        offload_seconds += time.perf_counter() - phase
+        for key in new_keys:  # this round's files: the scratch holds one round's
+            path = worker.store.layout.path(key)
+            if os.path.exists(path):
+                os.unlink(path)
+            worker.store.forget(key)
+    worker.shutdown()
+    p50_b, p99_b = _percentile(base, 50), _percentile(base, 99)
+    p50_o, p99_o = _percentile(with_offload, 50), _percentile(with_offload, 99)
+    nbytes = moved * worker.page_total
+    _row("B5", shape=name, where=where, steps=len(base), cuda_graph=step.graph is not None,
+         step_p50_ms=p50_b * 1e3, step_p99_ms=p99_b * 1e3,
+         offload_p50_ms=p50_o * 1e3, offload_p99_ms=p99_o * 1e3, p99_ratio=p99_o / p99_b,
+         p50_ratio=p50_o / p50_b, offload_gbps=nbytes / offload_seconds / 1e9,
+         jobs_ok=sum(outcomes.values()), jobs=len(outcomes))
+    print(f"\n### B5 engine step with and without offload ({name} KV, 256-token files on "
+          f"{where}; {STEP_ROUNDS} alternating rounds of {STEPS} steps; "
+          f"{'CUDA graph' if step.graph is not None else 'eager'} stand-in step)\n")
+    print("| | p50 | p99 |\n|---|---|---|")
+    print(f"| without offload | {p50_b * 1e3:.2f} ms | {p99_b * 1e3:.2f} ms |")
+    print(f"| with offload | {p50_o * 1e3:.2f} ms | {p99_o * 1e3:.2f} ms |")
+    print(f"| ratio | {p50_o / p50_b:.3f} | {p99_o / p99_b:.3f} |")
+    print(f"\noffload moved {nbytes / MiB:.0f} MiB ({nbytes / offload_seconds / 1e9:.1f} "
+          f"GB/s over the offload phases); {sum(outcomes.values())} of {len(outcomes)} jobs "
+          "succeeded")
+
+
 def run() -> list[dict[str, Any]]:
     """Every section in order (printing its tables); the figures as rows ([] and one
     line printed where there is no CUDA)."""
@@ -470,8 +704,10 @@ def run() -> list[dict[str, Any]]:
         device_phase(raw, root)
     size = f"{scratch_bytes() // MiB + 1}M"
     with scratch_dir(size, "kvtier-gpu-b3-") as (root, where):
+        step_interference(root, where)
         floor = file_floor(root, where)
         end_to_end(raw, root, where, floor)
+        files_per_job(root, where)
     host = torch.cuda.host_memory_stats()
     print(f"\npinned host memory: {host.get('allocated_bytes.peak', 0) / MiB:.0f} MiB at "
           f"peak (kvtier's staging: {STAGING // MiB} MiB per worker, the rest is B0/B1)")

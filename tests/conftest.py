@@ -46,6 +46,8 @@ SLOW_MODULES = (
     "tests/evictor/test_events.py",  # imports vLLM (its event classes); live sockets
     "tests/offload/test_vllm_worker.py",  # vLLM's offloading worker, its CPU tier
     "tests/offload/test_vllm_worker_contract.py",
+    "tests/offload/test_vllm_worker_files.py",  # multi-block files through vLLM's types
+    "tests/offload/test_cudart_copy.py",  # the runtime batch copy through the worker
     "tests/offload/test_vllm032_shim.py",
     "tests/offload/test_gpu_check.py",  # scripts/gpu_check.py, in subprocesses
     "tests/offload/test_vllm_tier.py",

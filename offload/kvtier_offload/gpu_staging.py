@@ -7,10 +7,11 @@ grows after start-up. PyTorch's pinned allocator rounds each allocation up to a 
 of two and keeps it for the life of the process, so the region asks for exactly the
 largest power of two that fits the bound: what it asks for is what gets pinned.
 
-Each row holds one KV block (every canonical tensor's page, back to back); beside the
-rows the region keeps one int64 slot per row for that block's GPU block id, so the ids
-of a run reach the GPU by an asynchronous copy from pinned memory that stays valid for
-as long as the run is borrowed.
+Each row holds one file: `slots_per_row` KV blocks (GPU blocks) in token order, each
+block every canonical tensor's page back to back; the same bytes are also seen as slots,
+one GPU block each. Beside the rows the region keeps one int64 per slot for that block's
+GPU block id, so the ids of a run reach the GPU by an asynchronous copy from pinned
+memory that stays valid for as long as the run is borrowed.
 """
 
 from __future__ import annotations
@@ -46,33 +47,41 @@ class Run:
 
 class StagingArena:
     """One staging buffer, allocated in the constructor and never again; hands out runs
-    of consecutive rows (first fit) and takes them back (merging neighbours)."""
+    of consecutive rows (first fit) and takes them back (merging neighbours). A row is
+    one file of `slots_per_row` GPU blocks; `slots` sees the same bytes one block a row."""
 
-    def __init__(self, row_bytes: int, pinned: bool, max_bytes: int) -> None:
-        if row_bytes <= 0:
-            raise ValueError(f"row_bytes must be positive, not {row_bytes}")
-        if max_bytes < row_bytes + INDEX_BYTES:
+    def __init__(self, row_bytes: int, pinned: bool, max_bytes: int,
+                 slots_per_row: int = 1) -> None:
+        if row_bytes <= 0 or slots_per_row <= 0 or row_bytes % slots_per_row:
+            raise ValueError(f"row_bytes ({row_bytes}) must be a positive multiple of "
+                             f"slots_per_row ({slots_per_row})")
+        index_bytes = INDEX_BYTES * slots_per_row
+        if max_bytes < row_bytes + index_bytes:
             raise ValueError(
-                f"max_staging_bytes ({max_bytes}) cannot hold one KV block of {row_bytes} "
+                f"max_staging_bytes ({max_bytes}) cannot hold one file of {row_bytes} "
                 f"bytes: raise max_staging_bytes in kv_connector_extra_config to at least "
-                f"{_pow2_floor(row_bytes + INDEX_BYTES) * 2}")
+                f"{_pow2_floor(row_bytes + index_bytes) * 2}, or make the files smaller "
+                "(block_size)")
         total = _pow2_floor(max_bytes)
-        rows = total // (row_bytes + INDEX_BYTES)
-        while rows and _align8(rows * row_bytes) + rows * INDEX_BYTES > total:
+        rows = total // (row_bytes + index_bytes)
+        while rows and _align8(rows * row_bytes) + rows * index_bytes > total:
             rows -= 1
         if rows < 1:
             raise ValueError(
-                f"max_staging_bytes ({max_bytes}) cannot hold one KV block of {row_bytes} "
+                f"max_staging_bytes ({max_bytes}) cannot hold one file of {row_bytes} "
                 f"bytes once rounded down to a power of two ({total}): raise it to at "
                 f"least {total * 2}")
         self.row_bytes, self.pinned, self.nbytes, self.num_rows = row_bytes, pinned, total, rows
+        self.slots_per_row = slots_per_row
         # The only allocation: every run, index slot and file I/O lives in this buffer.
         self.buffer = torch.empty(total, dtype=torch.int8, pin_memory=pinned)
         self.rows = self.buffer[:rows * row_bytes].view(rows, row_bytes)
+        self.slots = self.rows.view(rows * slots_per_row, row_bytes // slots_per_row)
         at = _align8(rows * row_bytes)
-        self.index = self.buffer[at:at + rows * INDEX_BYTES].view(torch.int64)
+        self.index = self.buffer[at:at + rows * index_bytes].view(torch.int64)
         self.row_array = self.rows.numpy().view(np.uint8)  # what the block store reads/writes
-        self.index_array = self.index.numpy()
+        self.slot_array = self.slots.numpy().view(np.uint8)
+        self.index_array = self.index.numpy()  # one GPU block id per slot
         self._free: list[tuple[int, int]] = [(0, rows)]  # sorted (start, rows)
         self.free_rows = rows
 

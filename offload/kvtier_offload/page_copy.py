@@ -35,17 +35,19 @@ class PageAddresses:
         if int(self.size.sum()) > self.row_bytes:
             raise ValueError("the staging rows are shorter than a block's pages")
 
-    def of(self, block_ids: np.ndarray, first_row: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor]:
+    def of(self, block_ids: np.ndarray, rows: int | np.ndarray) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cache addresses, staging addresses, sizes) of the blocks block_ids, staged in
-        consecutive rows from first_row: int64 CPU tensors, block-major."""
+        the staging rows `rows` (one per block), or in consecutive rows from row `rows`:
+        int64 CPU tensors, block-major."""
         ids = np.asarray(block_ids, dtype=np.int64)[:, None]
-        rows = np.arange(first_row, first_row + len(ids), dtype=np.int64)[:, None]
+        if isinstance(rows, (int, np.integer)):
+            rows = np.arange(rows, rows + len(ids), dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)[:, None]
         cache = (self.base + ids * self.stride).ravel()
         staging = (self.row_base + rows * self.row_bytes + self.offset).ravel()
-        sizes = np.broadcast_to(self.size, (len(ids), len(self.size))).ravel()
-        return (torch.from_numpy(cache), torch.from_numpy(staging),
-                torch.from_numpy(np.ascontiguousarray(sizes)))
+        sizes = np.tile(self.size, len(ids))
+        return torch.from_numpy(cache), torch.from_numpy(staging), torch.from_numpy(sizes)
 
 
 def vllm_batch_copy() -> BatchCopy | None:

@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier_offload.cudart_copy import runtime_batch_copy
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.gpu_staging import Run, StagingArena, widest_views
 from kvtier_offload.layout import fingerprint, vllm_fields
@@ -88,7 +89,8 @@ log = logging.getLogger("kvtier_offload")
 
 
 class KvtierLoadStoreSpec(LoadStoreSpec):
-    """The files of a transfer: one per offload key (sent scheduler -> worker)."""
+    """The files of a transfer: one per offload key (sent scheduler -> worker); each file
+    holds one chunk of vLLM's blocks_per_chunk GPU blocks."""
 
     def __init__(self, keys: Iterable[OffloadKey]) -> None:
         self.keys = [bytes(k) for k in keys]
@@ -448,15 +450,43 @@ class _Job:
     expedited: bool = False  # load: vLLM waits for it within the engine step
 
 
+def block_slots(files: int, group_sizes: Sequence[int], block_indices: Sequence[int],
+                per_file: int, blocks: int) -> np.ndarray:
+    """Where each GPU block of a transfer sits in its files, as vLLM's own CPU worker
+    places them (kv_offload/cpu/gpu_worker.py): slot f * per_file + j is position j of
+    the transfer's file f. The blocks come group by group (group_sizes of them), each
+    group's in token order from its block_indices[g]-th block of the request: its first
+    file may be entered mid-way (a load that starts inside a file, a store whose first
+    chunk's blocks have left the sliding window), and its last may end early."""
+    if sum(group_sizes) != blocks:
+        raise ValueError(f"kvtier got {blocks} GPU block ids for group sizes "
+                         f"{list(group_sizes)}")
+    parts, file = [], 0
+    for size, first in zip(group_sizes, block_indices, strict=True):
+        if size <= 0:
+            continue
+        skip = int(first) % per_file
+        parts.append(file * per_file + skip + np.arange(size, dtype=np.int64))
+        file += -(-(skip + size) // per_file)
+    if file != files:
+        raise ValueError(
+            f"kvtier got {blocks} GPU block ids for {files} files of {per_file} GPU "
+            f"block(s) each (they fill {file}): is block_size in kv_connector_extra_config "
+            "the same for the scheduler and the workers?")
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class _Piece:
-    """Up to one staging run of a job: `keys[i]` is GPU block `block_ids[i]` and row
-    `run.start + i` of the staging region. `fence` is the CUDA event of its device copy
-    (None: already done, as on CPU)."""
+    """Up to one staging run of a job: `keys[i]` is file i, in row `run.start + i` of the
+    staging region; GPU block `block_ids[b]` is its slot `slots[b]` (file
+    slots[b] // blocks_per_file of the piece). `fence` is the CUDA event of its device
+    copy (None: already done, as on CPU)."""
 
     job: _Job
     keys: list[bytes]
     block_ids: np.ndarray
+    slots: np.ndarray
     run: Run | None = None
     fence: Any = None
     abandoned: bool = False  # load: its job gave up on it; the read may still return
@@ -464,7 +494,8 @@ class _Piece:
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
-    """Copies whole KV pages (every canonical tensor's page of a block) to one file.
+    """Copies whole KV pages (every canonical tensor's page of a block) to files of
+    blocks_per_chunk GPU blocks each (vLLM's chunk: block_size tokens), in token order.
 
     Nothing on vLLM's thread waits for the GPU or the volume: submit_*, get_finished and
     wait() on a store only queue work and look at CUDA events (wait() blocks on a store's
@@ -487,35 +518,49 @@ class KvtierOffloadingWorker(OffloadingWorker):
                  max_device_temp_bytes: int = 64 << 20,
                  shutdown_timeout: float = 10.0, load_timeout: float = 30.0,
                  store_device_bytes: int = 128 << 20, page_copy: str = "auto") -> None:
-        if blocks_per_chunk != 1:
-            raise ValueError("KvtierOffloadingSpec stores one GPU block per file: leave "
-                             "block_size unset in kv_connector_extra_config")
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be at least 1, not {blocks_per_chunk}")
         self.store = store
+        self.blocks_per_file = blocks_per_chunk
         tensors = [t.tensor for t in kv_caches.tensors]
         self.pages = [t.page_size_bytes for t in kv_caches.tensors]
-        self.page_total = sum(self.pages)
+        self.page_total = sum(self.pages)  # one GPU block, every tensor's page
+        self.file_bytes = self.page_total * blocks_per_chunk  # one file's payload
         self.device = tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.shutdown_timeout = shutdown_timeout
         self.load_timeout = load_timeout
-        self.arena = StagingArena(self.page_total, self.cuda, max_staging_bytes)
+        # A row is a file; the device copies see it as blocks_per_chunk slots.
+        self.arena = StagingArena(self.file_bytes, self.cuda, max_staging_bytes,
+                                  slots_per_row=blocks_per_chunk)
         wide, self._views = widest_views(tensors, self.pages, self.page_total)
-        self._staging = self.arena.rows.view(wide)
+        self._staging = self.arena.slots.view(wide)
         self._widths = [v.shape[1] for v in self._views]
-        # page_copy: "auto" copies pages by address with vLLM's swap_blocks_batch where
-        # the cache is on a GPU and vLLM has it (one call per piece, copy engines only),
-        # else with gather/scatter kernels ("kernels"); "addresses" insists on copying by
-        # address (by memmove on CPU).
+        # page_copy: "auto" copies pages by address where the cache is on a GPU (one call
+        # per piece, copy engines only): with vLLM's swap_blocks_batch where vLLM has it,
+        # else with the CUDA runtime's cudaMemcpyBatchAsync (cudart_copy: torch alone,
+        # CUDA 12.8+); else with gather/scatter kernels ("kernels"). "addresses" insists
+        # on copying by address (by memmove on CPU).
         self._batch_copy: BatchCopy | None = None
+        self.copier = "kernels"  # which copies pages: kernels, vllm, cuda-runtime, memmove
         if page_copy not in ("auto", "kernels", "addresses"):
             raise ValueError(f"page_copy is auto, kernels or addresses, not {page_copy!r}")
         if page_copy != "kernels":
-            self._batch_copy = vllm_batch_copy() if self.cuda else (
-                memmove_batch_copy if page_copy == "addresses" else None)
+            if self.cuda:
+                self._batch_copy = vllm_batch_copy()
+                self.copier = "vllm"
+                if self._batch_copy is None:
+                    self._batch_copy = runtime_batch_copy(self.device, self.arena.buffer)
+                    self.copier = "cuda-runtime"
+            elif page_copy == "addresses":
+                self._batch_copy, self.copier = memmove_batch_copy, "memmove"
             if page_copy == "addresses" and self._batch_copy is None:
                 raise ValueError("page_copy=addresses needs vLLM's swap_blocks_batch (a "
-                                 "CUDA build of vLLM) for a KV cache on a GPU")
-        self._addresses = (PageAddresses(self._views, self.arena.rows)
+                                 "CUDA build of vLLM) or the CUDA runtime's "
+                                 "cudaMemcpyBatchAsync (CUDA 12.8+) for a KV cache on a GPU")
+            if self._batch_copy is None:
+                self.copier = "kernels"
+        self._addresses = (PageAddresses(self._views, self.arena.slots)
                            if self._batch_copy is not None else None)
         self.page_copy = "addresses" if self._batch_copy is not None else "kernels"
         # Rows per piece: bounds the device scratch of one copy (a gather holds its
@@ -523,7 +568,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # leaves room for a job's next piece to be copied while this one is written or
         # read.
         rows = self.arena.num_rows
-        self.piece_rows = max(1, min(max_device_temp_bytes // (2 * self.page_total),
+        self.piece_rows = max(1, min(max_device_temp_bytes // (2 * self.file_bytes),
                                      rows // 4))
         # Stores may hold all but one piece's worth: a load always finds room soon.
         self.store_rows_cap = max(1, rows - self.piece_rows)
@@ -534,7 +579,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         # Store copies queued on the device at once: a load's copy never queues behind
         # more than this much of a store's (G7); the rest waits on the host, where a
         # load overtakes it. At least one piece.
-        self.store_device_rows = max(self.piece_rows, store_device_bytes // self.page_total)
+        self.store_device_rows = max(self.piece_rows, store_device_bytes // self.file_bytes)
         self._store_rows_held = 0  # staging rows stores hold (device copy or file write)
         self._store_rows_on_device = 0  # of those, rows whose device copy has not fired
         self._store_rows_queued = 0
@@ -559,6 +604,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._load_errors: dict[int, list[int]] = {}
         self.stores_dropped = 0  # blocks
         self._dropped = store.metrics.dropped.labels("staging-full")
+        # a store's chunk whose GPU blocks are not all there (left a sliding window):
+        # never written, since a file holds whole chunks
+        self._partial = store.metrics.dropped.labels("partial-file")
 
     # ------------------------------------------------------------ device copies
 
@@ -575,45 +623,53 @@ class KvtierOffloadingWorker(OffloadingWorker):
         event.record(stream)
         return event
 
-    def _index(self, run: Run) -> torch.Tensor:
-        """The run's GPU block ids on the device: an asynchronous copy from the run's
-        pinned index slots, which stay borrowed until the run's fence has fired."""
-        return self.arena.index[run.start:run.stop].to(self.device, non_blocking=True)
+    def _index(self, first: int, count: int) -> torch.Tensor:
+        """The GPU block ids of slots [first, first + count) on the device: an
+        asynchronous copy from their pinned index slots, which stay borrowed until the
+        run's fence has fired."""
+        return self.arena.index[first:first + count].to(self.device, non_blocking=True)
 
     def _gather(self, piece: _Piece) -> Any:
-        """Queue the copy of the piece's pages into its staging run; returns the fence."""
+        """Queue the copy of the piece's pages into its staging run (whole files: its
+        blocks fill the run's slots in order); returns the fence."""
         run = piece.run
         assert run is not None
-        self.arena.index_array[run.start:run.stop] = piece.block_ids
+        first, count = run.start * self.blocks_per_file, len(piece.block_ids)
+        self.arena.index_array[first:first + count] = piece.block_ids
         if self._batch_copy is not None and self._addresses is not None:
-            cache, staging, sizes = self._addresses.of(piece.block_ids, run.start)
+            cache, staging, sizes = self._addresses.of(piece.block_ids, first)
             with self._on(self._store_stream):
                 # stream order: the source is what the compute stream wrote before
                 self._batch_copy(cache, staging, sizes, False)
                 return self._fence(self._store_stream)
         with self._on(self._store_stream):
-            index = self._index(run)
+            index = self._index(first, count)
             parts = [view.index_select(0, index) for view in self._views]
             packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            self._staging[run.start:run.stop].copy_(packed, non_blocking=True)
+            self._staging[first:first + count].copy_(packed, non_blocking=True)
             return self._fence(self._store_stream)
 
-    def _scatter(self, piece: _Piece, rows: int) -> Any:
-        """Queue the copy of the first `rows` staged rows into their blocks (the index
-        slots hold their ids); returns the fence."""
+    def _scatter(self, piece: _Piece, block_ids: np.ndarray, slots: np.ndarray) -> Any:
+        """Queue the copy of the staged blocks block_ids, in the run's slots `slots`
+        (ascending, relative to the run's first slot), into the KV cache; returns the
+        fence. Blocks left out (a file not verified, the part of a file before a load's
+        first block) are never copied."""
         run = piece.run
         assert run is not None
+        first, count = run.start * self.blocks_per_file, len(block_ids)
         if self._batch_copy is not None and self._addresses is not None:
-            ids = self.arena.index_array[run.start:run.start + rows]
-            cache, staging, sizes = self._addresses.of(ids, run.start)
+            # by address: the descriptors point at the slots where they are
+            cache, staging, sizes = self._addresses.of(block_ids, first + slots)
             with self._on(self._load_stream):
                 # the staging rows were filled by the I/O threads before: any order
                 self._batch_copy(staging, cache, sizes, True)
                 return self._fence(self._load_stream)
+        if count and slots[-1] != count - 1:  # not the first `count` slots: move them there
+            self.arena.slot_array[first:first + count] = self.arena.slot_array[first + slots]
+        self.arena.index_array[first:first + count] = block_ids
         with self._on(self._load_stream):
-            index = self._index(Run(run.start, rows))
-            packed = self._staging[run.start:run.start + rows].to(self.device,
-                                                                   non_blocking=True)
+            index = self._index(first, count)
+            packed = self._staging[first:first + count].to(self.device, non_blocking=True)
             offset = 0
             for view, width in zip(self._views, self._widths, strict=True):
                 view.index_copy_(0, index, packed[:, offset:offset + width])
@@ -631,33 +687,61 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ jobs
 
-    @staticmethod
-    def _pairs(files: LoadStoreSpec, blocks: GPULoadStoreSpec) -> tuple[list[bytes],
-                                                                         np.ndarray]:
-        """The files and their GPU blocks, one block per file (blocks_per_chunk is 1, so
-        vLLM 0.32 never sends a partial first chunk here)."""
+    def _pairs(self, files: LoadStoreSpec,
+               blocks: GPULoadStoreSpec) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """The files, their GPU blocks and each block's slot in them (block_slots)."""
         if not isinstance(files, KvtierLoadStoreSpec):
             raise TypeError(f"kvtier's worker was given {type(files).__name__}, not "
                             "KvtierLoadStoreSpec")
         block_ids = np.asarray(blocks.block_ids, dtype=np.int64)
-        if len(block_ids) != len(files.keys):
-            raise ValueError(f"kvtier got {len(block_ids)} GPU block ids for "
-                             f"{len(files.keys)} files; each file holds exactly one GPU "
-                             "block (is block_size set in kv_connector_extra_config?)")
-        return files.keys, block_ids
+        sizes = getattr(blocks, "group_sizes", None) or [len(block_ids)]
+        firsts = getattr(blocks, "block_indices", None) or [0] * len(sizes)
+        slots = block_slots(len(files.keys), sizes, firsts, self.blocks_per_file,
+                            len(block_ids))
+        return files.keys, block_ids, slots
+
+    def _whole_files(self, keys: list[bytes], block_ids: np.ndarray,
+                     slots: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """A store's files whose every GPU block is there; the others are dropped
+        (counted: partial-file) and never become visible, so a later lookup misses."""
+        per_file = self.blocks_per_file
+        if per_file == 1:
+            return keys, block_ids, slots
+        whole = np.bincount(slots // per_file, minlength=len(keys)) == per_file
+        if whole.all():
+            return keys, block_ids, slots
+        self._partial.inc(int(len(keys) - whole.sum()))
+        kept = whole[slots // per_file]
+        keys = [key for key, ok in zip(keys, whole.tolist(), strict=True) if ok]
+        return keys, block_ids[kept], np.arange(int(kept.sum()), dtype=np.int64)
+
+    def _split(self, piece: _Piece, files: int) -> tuple[_Piece, _Piece]:
+        """The piece's first `files` files, and the rest."""
+        cut = int(np.searchsorted(piece.slots, files * self.blocks_per_file))
+        head = _Piece(piece.job, piece.keys[:files], piece.block_ids[:cut],
+                      piece.slots[:cut], expedited=piece.expedited)
+        rest = _Piece(piece.job, piece.keys[files:], piece.block_ids[cut:],
+                      piece.slots[cut:] - files * self.blocks_per_file,
+                      expedited=piece.expedited)
+        return head, rest
 
     def _pieces(self, job: _Job, keys: list[bytes], block_ids: np.ndarray,
-                expedited: bool = False) -> list[_Piece]:
-        step = self.piece_rows
-        return [_Piece(job, keys[i:i + step], block_ids[i:i + step], expedited=expedited)
-                for i in range(0, len(keys), step)]
+                slots: np.ndarray, expedited: bool = False) -> list[_Piece]:
+        whole = _Piece(job, keys, block_ids, slots, expedited=expedited)
+        pieces = []
+        while len(whole.keys) > self.piece_rows:
+            piece, whole = self._split(whole, self.piece_rows)
+            pieces.append(piece)
+        if whole.keys:
+            pieces.append(whole)
+        return pieces
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
-        keys, block_ids = self._pairs(dst_spec, src_spec)
-        job = _Job(job_id, "store", len(keys))
+        keys, block_ids, slots = self._whole_files(*self._pairs(dst_spec, src_spec))
+        job = _Job(job_id, "store", len(block_ids))
         # No poll here: get_finished() moves the pipeline once per engine step.
-        for piece in self._pieces(job, keys, block_ids):
+        for piece in self._pieces(job, keys, block_ids, slots):
             if self._store_rows_queued + len(piece.keys) > self.store_queue_cap:
                 self._drop(piece)
             else:
@@ -676,10 +760,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
         not expedited, and its reads ahead of the volume's queued reads; it fails like any
         load (its unverified blocks are reported by take_load_errors()), and, like any,
         it is given up after load_timeout."""
-        keys, block_ids = self._pairs(src_spec, dst_spec)
-        job = _Job(job_id, "load", len(keys), expedited=expedited)
+        keys, block_ids, slots = self._pairs(src_spec, dst_spec)
+        job = _Job(job_id, "load", len(block_ids), expedited=expedited)
         self._loads[job_id] = job
-        pieces = self._pieces(job, keys, block_ids, expedited)
+        pieces = self._pieces(job, keys, block_ids, slots, expedited)
         job.queued += len(pieces)
         if expedited:
             # Expedited pieces are always the head of the queue (a split piece's rest
@@ -715,8 +799,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._store_waiting.popleft()
             self._store_rows_queued -= len(piece.keys)
             if run.rows < len(piece.keys):  # the rest waits at the head of the queue
-                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:])
-                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows])
+                piece, rest = self._split(piece, run.rows)
                 piece.job.queued += 1
                 self._store_rows_queued += len(rest.keys)
                 self._store_waiting.appendleft(rest)
@@ -736,35 +819,28 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return
             self._load_waiting.popleft()
             if run.rows < len(piece.keys):
-                rest = _Piece(piece.job, piece.keys[run.rows:], piece.block_ids[run.rows:],
-                              expedited=piece.expedited)
-                piece = _Piece(piece.job, piece.keys[:run.rows], piece.block_ids[:run.rows],
-                               expedited=piece.expedited)
+                piece, rest = self._split(piece, run.rows)
                 piece.job.queued += 1
                 self._load_waiting.appendleft(rest)
             piece.job.queued -= 1
             piece.job.in_flight += 1
             piece.run = run
-            self.arena.index_array[run.start:run.stop] = piece.block_ids
             io_id = next(self._io_ids)
             self._io[io_id] = piece
             self.store.load_rows(io_id, piece.keys, self.arena.row_array,
                                  self.arena.row_ids(run), urgent=piece.expedited)
 
     def _staged(self, piece: _Piece, ok: list[bool]) -> None:
-        """A load piece's files are read: copy the verified blocks to the GPU."""
+        """A load piece's files are read: copy the blocks of the verified files to the
+        GPU; a file that failed costs exactly its blocks (vLLM recomputes them)."""
         run = piece.run
         assert run is not None
-        good = np.flatnonzero(np.asarray(ok, dtype=bool))
-        if len(good) < len(ok):
-            piece.job.failed.extend(int(b) for b in np.delete(piece.block_ids, good))
-            # Verified rows to the front of the run (with their ids): one copy for them.
-            self.arena.row_array[run.start:run.start + len(good)] = \
-                self.arena.row_array[run.start + good]
-            self.arena.index_array[run.start:run.start + len(good)] = piece.block_ids[good]
-        piece.job.moved += len(good)
-        if len(good):
-            piece.fence = self._scatter(piece, len(good))
+        good = np.asarray(ok, dtype=bool)[piece.slots // self.blocks_per_file]
+        if not good.all():
+            piece.job.failed.extend(int(b) for b in piece.block_ids[~good])
+        piece.job.moved += int(good.sum())
+        if good.any():
+            piece.fence = self._scatter(piece, piece.block_ids[good], piece.slots[good])
             self._copying_in.append(piece)
         else:
             self._release(piece)
@@ -789,7 +865,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.store.store_rows(io_id, piece.keys, self.arena.row_array,
                               self.arena.row_ids(piece.run))
         self.writes_in_flight += 1
-        piece.job.moved += len(piece.keys)
+        piece.job.moved += len(piece.block_ids)
         piece.job.in_flight -= 1
         self._maybe_finish(piece.job)
 

@@ -14,6 +14,19 @@ import sys
 PROMPT_TOKENS = 200  # six full 32-token blocks and a tail
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 GPU_DIRECT_EXAMPLE = "native-gpu-direct.yaml"
+FILE_TOKENS_ENV = "KVTIER_E2E_FILE_TOKENS"  # tokens per GPU-direct file (default BLOCK_SIZE)
+
+
+def gpu_direct_doc(file_tokens: int | None = None) -> dict:
+    """The example without a CPU tier, its files of file_tokens tokens (storage.blockSize;
+    default one engine block, $KVTIER_E2E_FILE_TOKENS or BLOCK_SIZE): the tiny engine's
+    200-token prompts are shorter than the operator's default 256-token files."""
+    from tests.helpers import example
+
+    doc = example(GPU_DIRECT_EXAMPLE)
+    tokens = file_tokens or int(os.environ.get(FILE_TOKENS_ENV) or BLOCK_SIZE)
+    doc["spec"]["storage"]["blockSize"] = tokens
+    return doc
 
 
 def make_model(path: str) -> None:
@@ -41,9 +54,8 @@ def build_llm(model: str, root: str | None = None, **overrides):
     if root:
         from kvtier_operator.render.connector import kv_transfer_config
         from kvtier_operator.validation import parse_tpc
-        from tests.helpers import example
 
-        rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+        rendered = kv_transfer_config(parse_tpc(gpu_direct_doc()))
         # recompute_bound off: these runs guard the load path, and on this tiny model
         # recomputing is nearly free, so the bound would (rightly) skip the tier at
         # random on a loaded machine; tests/e2e/slow_volume.py turns it on.

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.engine import BLOCK_SIZE, generate, prompt
+from tests.e2e.engine import BLOCK_SIZE, generate, gpu_direct_doc, prompt
 
 WAIT_SECONDS = 120.0
 
@@ -44,7 +44,7 @@ def rendered(mode: str, root: str, port: int) -> tuple[dict[str, Any], dict[str,
     from kvtier_operator.validation import parse_tpc
     from tests.helpers import example
 
-    doc = example("native-gpu-direct.yaml" if mode == "gpu-direct" else "native-kvtier.yaml")
+    doc = gpu_direct_doc() if mode == "gpu-direct" else example("native-kvtier.yaml")
     doc["spec"]["router"] = {"enabled": True, "scoring": "precise"}
     if mode == "tiered":
         doc["spec"]["cpu"] = {"size": "64Mi"}

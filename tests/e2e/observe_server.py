@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.e2e.engine import BLOCK_SIZE, GPU_DIRECT_EXAMPLE, prompt
+from tests.e2e.engine import BLOCK_SIZE, gpu_direct_doc, prompt
 from tests.helpers import ROOT
 
 MODEL_NAME = "tiny"  # --served-model-name: the model label on every vllm: series
@@ -42,9 +42,8 @@ def kv_transfer_config(root: Path) -> dict:
 
 def gpu_direct_tpc():
     from kvtier_operator.validation import parse_tpc
-    from tests.helpers import example
 
-    return parse_tpc(example(GPU_DIRECT_EXAMPLE))
+    return parse_tpc(gpu_direct_doc())
 
 
 def rendered_env(metrics_dir: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.e2e.engine import BLOCK_SIZE, GPU_DIRECT_EXAMPLE
+from tests.e2e.engine import BLOCK_SIZE, gpu_direct_doc
 from tests.helpers import ROOT
 
 START_SECONDS = 420  # a cold start on a busy 2-core machine
@@ -25,9 +25,8 @@ START_SECONDS = 420  # a cold start on a busy 2-core machine
 def kv_transfer_json(root: Path, **extra: object) -> str:
     from kvtier_operator.render.connector import kv_transfer_config
     from kvtier_operator.validation import parse_tpc
-    from tests.helpers import example
 
-    rendered = kv_transfer_config(parse_tpc(example(GPU_DIRECT_EXAMPLE)))
+    rendered = kv_transfer_config(parse_tpc(gpu_direct_doc()))
     # recompute_bound off: see tests/e2e/engine.py's build_llm
     rendered["kv_connector_extra_config"] |= {"root_dir": str(root), "n_read_threads": 2,
                                               "n_write_threads": 2,

@@ -33,6 +33,19 @@ def test_a_second_engine_hits_the_files_and_answers_identically(model, baseline,
     assert b["tokens"] == baseline
 
 
+def test_files_of_two_engine_blocks_are_hit_and_answer_identically(model, baseline, tmp_path):
+    """R1 (#36): storage.blockSize 64 on the 32-token engine: vLLM's chunk is two GPU
+    blocks and each file holds both; engine B loads the prefix from 3 files, not 6, and
+    answers exactly as without offloading."""
+    root = tmp_path / "D"
+    runs = [script("tests.e2e.engine", model, root, KVTIER_E2E_SEEDS="1",
+                   KVTIER_E2E_FILE_TOKENS="64") for _ in range(2)]
+    assert runs[0]["tokens"] == baseline and runs[0]["cached"] == 0
+    assert len(blocks(root)) == FULL_BLOCKS_TOKENS // 64
+    assert runs[1]["cached"] == FULL_BLOCKS_TOKENS, "engine B did not load the prefix"
+    assert runs[1]["tokens"] == baseline
+
+
 def test_a_bad_block_file_costs_a_recompute_never_the_engine(model, plain_tokens, tmp_path):
     """A block file flipped, truncated or deleted between the lookup and the load (the
     middle of a cached prefix): the engine answers exactly as without offloading, keeps

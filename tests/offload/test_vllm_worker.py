@@ -33,15 +33,6 @@ def test_cpu_round_trip_is_bit_identical(tmp_path, layout, dtype):
     round_trip(tmp_path, layout, DTYPES[dtype], "cpu")
 
 
-def test_spec_refuses_multi_block_chunks(tmp_path):
-    from kvtier_offload.store import BlockStore, StoreConfig
-    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
-
-    with pytest.raises(ValueError, match="one GPU block per file"):
-        KvtierOffloadingWorker(BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16)),
-                               kv_caches("per-layer", DTYPES["bf16"], "cpu"), 2)
-
-
 def _sample(name: str, **labels: str) -> float:
     """A kvtier_offload_* figure as Prometheus would scrape it (0 where absent)."""
     from prometheus_client import REGISTRY

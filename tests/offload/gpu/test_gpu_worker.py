@@ -273,3 +273,41 @@ def test_gpu_round_trip_by_address_with_vllms_swap_blocks_batch(tmp_path, layout
     if vllm_batch_copy() is None:
         pytest.skip("needs vLLM's CUDA ops (swap_blocks_batch)")
     round_trip(tmp_path, layout, DTYPES["bf16"], "cuda", page_copy="addresses")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_round_trip_with_kernels(tmp_path, layout):
+    """The gather/scatter kernels, kept as the fallback where no batched copy is found
+    (auto now copies by address with vLLM's op or the CUDA runtime's)."""
+    round_trip(tmp_path, layout, DTYPES["bf16"], "cuda", page_copy="kernels")
+
+
+def test_gpu_pages_are_copied_by_address_with_torch_alone(tmp_path):
+    """R3/R4 without vLLM: on CUDA 12.8 or later the worker copies pages with the CUDA
+    runtime's cudaMemcpyBatchAsync (cudart_copy), one call per piece on the copy engines:
+    bit-identical round trips, files of 4 GPU blocks and a load starting mid-file."""
+    from kvtier_offload.page_copy import vllm_batch_copy
+    from kvtier_offload.store import BlockStore, StoreConfig
+    from kvtier_offload.vllm_spec import KvtierOffloadingWorker
+
+    major, minor = (int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    if (major, minor) < (12, 8):
+        pytest.skip(f"cudaMemcpyBatchAsync needs CUDA 12.8+, this torch has {torch.version.cuda}")
+    for layout in LAYOUTS:
+        round_trip(tmp_path / layout, layout, DTYPES["bf16"], "cuda", page_copy="addresses")
+    caches = _caches(64, 4, 64 << 10)
+    worker = KvtierOffloadingWorker(BlockStore(StoreConfig(
+        root=str(tmp_path / "files"), fingerprint="0" * 16)), caches, 4, page_copy="auto")
+    assert worker.copier == ("vllm" if vllm_batch_copy() is not None else "cuda-runtime")
+    src, dst = list(range(16)), list(range(40, 53))
+    want = [t.tensor[3:16].clone() for t in caches.tensors]
+    worker.submit_store(1, _spec(src), _files(keys_for([0, 1, 2, 3])))
+    assert finish(worker, {1}) == {1: True}
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    worker.submit_load(2, _files(keys_for([0, 1, 2, 3])), GPULoadStoreSpec(dst, [13], [3]))
+    assert finish(worker, {2}) == {2: True}
+    torch.cuda.synchronize()
+    for t, old in zip(caches.tensors, want, strict=True):
+        assert torch.equal(t.tensor[40:53], old)
+    worker.shutdown()

@@ -147,7 +147,7 @@ def _schema_defaults(doc: dict) -> dict:
 def test_cel_rules_exist_for_cross_field_checks():
     found = _rules(openapi_schema())
     cross_field = [r for path, r in found if "self." in r["rule"].replace("self.matches", "")]
-    # + stagingSize without a CPU tier, ReadWriteOncePod alone; the registry's engine and
+    # stagingSize with a CPU tier, ReadWriteOncePod alone; the registry's engine and
     # connector pair, shared tier, backend, and one per settings block (tpu, mooncake);
     # the transition rules keeping engine, connector and storage backend fixed; a deprecated
     # name and its new one not both given (storage, tpu); precise router scoring only
@@ -156,7 +156,7 @@ def test_cel_rules_exist_for_cross_field_checks():
     # only with connector native, and not with several KV cache groups; localDisk and
     # objectStore only behind a CPU tier and only with the adapters that chain them,
     # exactly one local-disk volume source, peerSharing refused
-    assert len(cross_field) == 31
+    assert len(cross_field) == 30
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
@@ -206,7 +206,6 @@ def test_cel_rules_accept_the_examples():
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
         ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec.cpu is required unless"),
         ({"cpu": None, "connector": "lmcache"}, "spec.cpu is required unless"),
-        ({"cpu": None, "storage": {"blockSize": 256}}, "blockSize applies with a CPU tier only"),
     ],
 )
 def test_cel_rules_reject(patch, needle):

@@ -106,9 +106,11 @@ def test_base_is_valid_and_defaults_apply():
         ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec", "add cpu.size, e.g. 100Gi"),
         ({"cpu": None, "connector": "lmcache", "storage": {"backend": None}}, "spec",
          "connector native with storage backend kvtier"),
-        ({"cpu": None, "storage": {"blockSize": 256}}, "spec",
-         "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file "
-         "holds one GPU block; remove blockSize"),
+        ({"cpu": None, "storage": {"blockSize": 1024, "hostStagingSize": "256Mi"}}, "spec",
+         "spec.storage.blockSize: without a CPU tier kvtier's pinned staging "
+         "(spec.storage.hostStagingSize, 268435456 bytes once rounded down to a power of "
+         "two) must hold at least 2 files, and one file of 1024 tokens takes 268435968 "
+         "bytes of this model's KV (spec.model); lower blockSize to 256 or less"),
         ({"hashSeed": -1}, "spec.hashSeed", "greater than or equal to 0"),
     ],
 )

@@ -111,11 +111,26 @@ def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes()
         "kv_connector_extra_config": {
             "spec_name": KVTIER_SPEC_NAME, "spec_module_path": KVTIER_SPEC_MODULE,
             "root_dir": "/mnt/files-storage", "n_read_threads": 8, "n_write_threads": 4,
-            "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES},
+            "max_staging_bytes": sizing.NO_CPU_TIER_STAGING_BYTES, "block_size": 256},
     }
-    assert "block_size" not in kv_transfer_config(t)["kv_connector_extra_config"]
     assert connector_env(t) == {"PYTHONHASHSEED": str(t.hash_seed),
                                 "PROMETHEUS_MULTIPROC_DIR": names.METRICS_MOUNT}
+
+
+@pytest.mark.parametrize(("storage", "model", "tokens"), [
+    ({}, {}, 256),  # Qwen3-32B's 256 KiB per token: 8 files of 64 MiB in 1 GiB
+    ({"hostStagingSize": "256Mi"}, {}, 64),  # 8 x 32 MiB and their id slots overflow
+    ({}, {"kvBytesPerToken": 2 << 20}, 32),  # a huge KV per token: smaller files
+    ({"hostStagingSize": "1Mi"}, {"kvBytesPerToken": 4096}, 16),  # at least 16 tokens
+    ({"blockSize": 512}, {}, 512),  # the author's choice, where staging holds two
+])
+def test_no_cpu_tier_files_hold_about_256_tokens_as_staging_allows(storage, model, tokens):
+    """R1 (#36): GPU-direct files are vLLM chunks of block_size tokens, 256 by default like
+    the tiers' files (16x fewer than one per GPU block), halved where the pinned staging
+    would hold fewer than eight of them."""
+    t = tpc({"cpu": None, "storage": storage, "model": {"name": "m", **model}})
+    extra = kv_transfer_config(t)["kv_connector_extra_config"]
+    assert extra["block_size"] == tokens == sizing.direct_file_tokens(t.spec)
 
 
 def test_no_cpu_tier_gives_the_workers_metrics_a_multiprocess_directory_of_the_pods_own():

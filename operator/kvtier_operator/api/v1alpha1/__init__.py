@@ -82,7 +82,6 @@ from kvtier_operator.api.v1alpha1.settings import (
     TpuSettings,
 )
 from kvtier_operator.api.v1alpha1.spec import (
-    BLOCK_SIZE_WITH_CPU_TIER,
     SPEC_RULES,
     STAGING_WITH_CPU_TIER,
     RolloutPolicy,
@@ -113,7 +112,6 @@ from kvtier_operator.api.v1alpha1.tiers import (
 )
 
 __all__ = [
-    "BLOCK_SIZE_WITH_CPU_TIER",
     "DEFAULT_FILE_TOKENS",
     "DEFAULT_OBJECT_PREFIX",
     "DTYPE_BYTES",

@@ -31,11 +31,6 @@ STAGING_WITH_CPU_TIER = (
     "spec.storage.hostStagingSize applies without a CPU tier only (kvtier's own staging "
     "between GPU and files); with spec.cpu vLLM's CPU tier stages: remove hostStagingSize "
     "(or its deprecated name stagingSize)")
-BLOCK_SIZE_WITH_CPU_TIER = (
-    "spec.storage.blockSize applies with a CPU tier only: without spec.cpu each file holds "
-    "one GPU block; remove blockSize")
-
-
 MORE_TIERS_NEED_CPU = (
     "spec.localDisk and spec.objectStore chain behind the CPU tier (vLLM's tiering "
     "offloading spec): add cpu.size, e.g. 100Gi")
@@ -55,10 +50,6 @@ class RolloutPolicy(StrEnum):
 # Rules that hold whatever the engine; validation/ adds the engines' own when it builds
 # the CRD (crd.openapi_schema).
 SPEC_RULES: list[dict[str, str]] = [
-    {
-        "rule": "has(self.cpu) || !has(self.storage) || !has(self.storage.blockSize)",
-        "message": BLOCK_SIZE_WITH_CPU_TIER,
-    },
     {
         "rule": "!has(self.cpu) || !has(self.storage) || "
         "(!has(self.storage.hostStagingSize) && !has(self.storage.stagingSize))",

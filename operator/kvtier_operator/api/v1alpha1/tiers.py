@@ -163,8 +163,8 @@ class StorageTier(ApiModel):
         ge=16,
         multiple_of=16,
         description="Tokens per offloaded file (vLLM block_size): a positive multiple of 16 "
-        "and of the GPU block size; default 256. Leave unset without a CPU tier, where each "
-        "file holds one GPU block.",
+        "and of the GPU block size; default 256. Without a CPU tier the default is 256 "
+        "halved until the pinned staging (hostStagingSize) holds 8 files of the model's KV.",
     )
     read_threads: int = Field(default=16, ge=1, le=256, description="Parallel file readers.")
     write_threads: int = Field(default=16, ge=1, le=256, description="Parallel file writers.")

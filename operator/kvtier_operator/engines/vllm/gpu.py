@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 
 from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import (
-    BLOCK_SIZE_WITH_CPU_TIER,
     DEFAULT_FILE_TOKENS,
     Connector,
     Engine,
@@ -53,6 +52,12 @@ LMCACHE_DISK_DIR = "lmcache"  # below the volume mount; the evictor's `lmcache` 
 # guide), on an emptyDir: fresh for each pod, writable whatever the root filesystem.
 LMCACHE_PROMETHEUS_DIR = "/tmp/lmcache_prometheus"
 PROMETHEUS_VOLUME = "kvtier-lmcache-prometheus"
+FILE_OVER_STAGING = (
+    "spec.storage.blockSize: without a CPU tier kvtier's pinned staging "
+    "(spec.storage.hostStagingSize, {staging} bytes once rounded down to a power of two) "
+    "must hold at least {files} files, and one file of {tokens} tokens takes {file} bytes "
+    "of this model's KV (spec.model); lower blockSize to {fits} or less, or raise "
+    "hostStagingSize")
 NO_CPU_TIER_NEEDS_STORAGE = (
     "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
     "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
@@ -103,8 +108,7 @@ class VllmNative(Adapter):
         if spec.cpu is None:
             if s is None or self.storage_backend(spec) != StorageBackend.kvtier:
                 raise ValueError(NO_CPU_TIER_NEEDS_STORAGE)
-            if s.block_size is not None:
-                raise ValueError(BLOCK_SIZE_WITH_CPU_TIER)
+            _check_files_fit_staging(spec)
         if s is not None and s.max_size_per_replica is not None:
             raise ValueError(
                 "storage.maxSizePerReplica applies to connector lmcache only; remove it "
@@ -250,6 +254,22 @@ def kv_events_config(tpc: TieredPrefixCache) -> dict[str, Any] | None:
     }
 
 
+def _check_files_fit_staging(spec: TieredPrefixCacheSpec) -> None:
+    """An explicit blockSize without a CPU tier: the worker's staging must hold a few
+    files (its constructor refuses a file larger than staging, at the pod's start)."""
+    tokens = sizing.direct_file_tokens(spec)
+    staged = sizing.staged_bytes(spec)
+    need = sizing.MIN_STAGED_FILES * sizing.direct_file_bytes(spec, tokens)
+    if need <= staged:
+        return
+    fits = tokens
+    while fits > 16 and sizing.MIN_STAGED_FILES * sizing.direct_file_bytes(spec, fits) > staged:
+        fits = max(16, (fits // 2) // 16 * 16)
+    raise ValueError(FILE_OVER_STAGING.format(
+        staging=staged, files=sizing.MIN_STAGED_FILES, tokens=tokens,
+        file=sizing.direct_file_bytes(spec, tokens), fits=fits))
+
+
 def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
     """No CPU tier: kvtier's connector and spec; a load that fails is recomputed."""
     spec = tpc.spec
@@ -267,6 +287,8 @@ def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
             "n_read_threads": storage.read_threads,
             "n_write_threads": storage.write_threads,
             "max_staging_bytes": sizing.staging_bytes(spec),
+            # vLLM's chunk: one file per block_size tokens (a multiple of the GPU block)
+            "block_size": sizing.direct_file_tokens(spec),
             # Precise scoring: the manager announces the blocks on the volume (medium
             # STORAGE) on the engine's KV events, as the tier does in tiered mode.
             **({"enable_kv_events": True}

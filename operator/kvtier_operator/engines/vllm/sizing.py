@@ -12,7 +12,12 @@ import re
 from typing import Any
 
 from kvtier_operator.api.quantity import GIB, MIB, quantity_bytes, round_up
-from kvtier_operator.api.v1alpha1 import Connector, StorageBackend, TieredPrefixCacheSpec
+from kvtier_operator.api.v1alpha1 import (
+    DEFAULT_FILE_TOKENS,
+    Connector,
+    StorageBackend,
+    TieredPrefixCacheSpec,
+)
 from kvtier_operator.engines.sizing import (
     GB,
     PROCESS_HEADROOM_BYTES,
@@ -24,6 +29,15 @@ from kvtier_operator.engines.sizing import (
 # max_staging_bytes), which hold the KV pages of the transfers in flight. Every vLLM
 # worker process (one per GPU) pins its own; spec.storage.hostStagingSize overrides it.
 NO_CPU_TIER_STAGING_BYTES = 1 * GIB
+# Without a CPU tier each file holds one vLLM chunk of GPU blocks (block_size tokens): by
+# default DEFAULT_FILE_TOKENS, like the tiers (16x fewer files than one per 16-token GPU
+# block, which makes a shared filesystem's metadata the bottleneck), halved while the
+# worker's staging would hold fewer than STAGED_FILES of them (stores and loads stream
+# through it piece by piece). An explicit blockSize must leave room for MIN_STAGED_FILES.
+STAGED_FILES = 8
+MIN_STAGED_FILES = 2
+MIN_FILE_TOKENS = 16
+INDEX_BYTES_PER_BLOCK = 8  # staging's GPU block id per 16-token block (at most)
 # vLLM flags whose product is the worker processes of one engine, where the container
 # does not say how many GPUs it has.
 PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp",
@@ -61,6 +75,34 @@ def staging_bytes(spec: TieredPrefixCacheSpec) -> int:
     if storage is None or storage.staging_bytes is None:
         return NO_CPU_TIER_STAGING_BYTES
     return storage.staging_bytes
+
+
+def staged_bytes(spec: TieredPrefixCacheSpec) -> int:
+    """What kvtier's worker really pins of max_staging_bytes: the largest power of two
+    that fits (PyTorch's pinned allocator rounds up to one)."""
+    staging = staging_bytes(spec)
+    return 1 << (staging.bit_length() - 1)
+
+
+def direct_file_bytes(spec: TieredPrefixCacheSpec, tokens: int) -> int:
+    """Staging one file of `tokens` tokens takes without a CPU tier: the KV of every
+    layer (the whole model's bytes per token: a rank's share is at most that) and its
+    blocks' id slots."""
+    return tokens * spec.model.bytes_per_token + INDEX_BYTES_PER_BLOCK * (tokens // 16)
+
+
+def direct_file_tokens(spec: TieredPrefixCacheSpec) -> int:
+    """Tokens per file without a CPU tier (vLLM's block_size for kvtier's own spec):
+    storage.blockSize where set, else DEFAULT_FILE_TOKENS halved (not below 16) until
+    the worker's staging holds STAGED_FILES files of this model's KV."""
+    storage = spec.storage
+    if storage is not None and storage.block_size is not None:
+        return storage.block_size
+    tokens = DEFAULT_FILE_TOKENS
+    while tokens > MIN_FILE_TOKENS and \
+            STAGED_FILES * direct_file_bytes(spec, tokens) > staged_bytes(spec):
+        tokens //= 2
+    return tokens
 
 
 _WORD = re.compile(r"[^\s'\"]+")
