@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated, TypeAlias
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvtier_operator.api.v1alpha1.fields import ApiModel, ConfigMapName, ZmqEndpoint
+
+# A TCP port a pod serves on.
+Port: TypeAlias = Annotated[int, Field(ge=1, le=65535)]
+# An InferencePool's targetPorts (the Gateway API inference extension allows 8).
+MAX_TARGET_PORTS = 8
 
 
 class RouterApiVersion(StrEnum):
@@ -89,9 +95,25 @@ class Router(ApiModel):
         description="precise: the port each pod publishes KV events on (the router "
         "connects to <pod IP>:<port>).",
     )
+    target_ports: list[Port] | None = Field(
+        default=None, min_length=1, max_length=MAX_TARGET_PORTS,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="The ports the router sends these pods' requests to: its "
+        "InferencePool's targetPorts, in the same order (one a data-parallel rank). The "
+        "router names a pod <pod IP>:<port>, one per port, and the evictor's removals are "
+        "sent under those names. Default: the engine's serving port (vLLM 8000).",
+    )
     eviction_events_endpoint: ZmqEndpoint | None = Field(
         default=None,
         description="Where the evictor publishes BlockRemoved for every block file it "
         "deletes, as tcp://<host>:<port> (a router-side KV-events endpoint, e.g. its "
         "Service); unset: the evictor publishes nothing. Failures never block eviction.",
     )
+
+    @field_validator("target_ports")
+    @classmethod
+    def _ports_once(cls, ports: list[int] | None) -> list[int] | None:
+        if ports is not None and len(set(ports)) != len(ports):
+            raise ValueError("spec.router.targetPorts lists a port twice; list each once, "
+                             "as in the InferencePool's targetPorts")
+        return ports
