@@ -301,3 +301,12 @@ def test_precise_refuses_a_model_name_the_routers_topic_cannot_carry():
         parse_tpc(doc)
     doc["spec"]["router"] = {"enabled": True}
     assert parse_tpc(doc).spec.model.name == "org/model@v2"  # approximate: no topic
+
+
+@pytest.mark.parametrize("router", [{"enabled": True}, {"enabled": False, "scoring": "precise"},
+                                    {"scoring": "precise"}])
+def test_eviction_events_need_the_precise_config(router):
+    """Without kvtier's precise config nothing binds the endpoint and the pods publish no
+    events to index: every run would drop every removal. Refused with the fix."""
+    with pytest.raises(ValueError, match=r"set spec\.router\.enabled: true and scoring: precise"):
+        tpc({"router": router | {"evictionEventsEndpoint": "tcp://epp:5590"}})

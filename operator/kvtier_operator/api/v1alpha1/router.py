@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, TypeAlias
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvtier_operator.api.v1alpha1.fields import ApiModel, ConfigMapName, ZmqEndpoint
 
@@ -56,7 +56,20 @@ class TierWeights(ApiModel):
         raise KeyError(tier)
 
 
+# Removals the router could never take: it binds the endpoint and indexes the pods' KV
+# events only in the precise config kvtier renders (render/router.py).
+EVICTION_EVENTS_NEED_PRECISE = (
+    "spec.router.evictionEventsEndpoint: the router takes the evictor's removals only "
+    "with the precise config kvtier renders (the pods' KV events, the bound endpoint); "
+    "set spec.router.enabled: true and scoring: precise, or remove evictionEventsEndpoint")
+
+
 class Router(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.evictionEventsEndpoint) || (has(self.enabled) && self.enabled "
+                "&& has(self.scoring) && self.scoring == 'precise')",
+        "message": EVICTION_EVENTS_NEED_PRECISE}]})
+
     enabled: bool = Field(
         default=False,
         description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
@@ -109,6 +122,13 @@ class Router(ApiModel):
         "deletes, as tcp://<host>:<port> (a router-side KV-events endpoint, e.g. its "
         "Service); unset: the evictor publishes nothing. Failures never block eviction.",
     )
+
+    @model_validator(mode="after")
+    def _eviction_events_need_precise(self) -> Router:
+        if self.eviction_events_endpoint is not None and not (
+                self.enabled and self.scoring == RouterScoring.precise):
+            raise ValueError(EVICTION_EVENTS_NEED_PRECISE)
+        return self
 
     @field_validator("target_ports")
     @classmethod
