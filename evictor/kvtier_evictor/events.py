@@ -23,6 +23,27 @@ XPUB_NODROP a full queue (a subscriber that never reads) refuses a send instead 
 dropping it silently, so every hash is counted: published (accepted by the socket for a
 subscribed peer) or dropped.
 
+Topics: `kv@<pod>@<model>`, one copy of each batch per engine pod (no pool identity at
+the router's commit, llm-d-router #2586). Checked at llm-d-router ebab687: the bound
+socket is the producer's "local-subscriber", whose messages carry no source endpoint
+(preciseprefixcache/producer.go:193-197), so the router takes the pod from the topic:
+split at "@", exactly three parts, else the whole topic and no model
+(pkg/kvevents/engineadapter/common.go:36-45, vllm_adapter.go:64-65; pool.go:316-323).
+<pod> must be the key the pod's own events were indexed under: its per-pod subscriber
+stamps them `<pod IP>:<InferencePool target port>` (preciseprefixcache/extractor.go:80,
+the port from pkg/epp/datastore/datastore.go:332-346), and a BlockRemoved under any
+other pod finds no KV cache group for it and is skipped (pool.go:589-607). The operator
+writes those identities (render/event_pods.py). The model segment is not read for
+removals (pool.go:644-650).
+
+Sequence numbers: the bound socket's subscriber has no replay endpoint, so it takes
+every message and never compares sequences (zmq_subscriber.go:177-179); only a per-pod
+subscriber with a replay port tracks them, per connection: a repeat is skipped, a gap
+asks for a replay, a lower one resets the pod (zmq_subscriber.go:182-243). The evictor
+numbers each topic on its own, from 0 and without gaps over the sends the socket took,
+as a vLLM publisher numbers its stream: one counter across all pods' topics would give
+each pod's stream gaps of (pods - 1).
+
 pyzmq and msgspec (vLLM's own encoder for these events; `kvtier[events]`) are imported
 only when publishing is configured (--events-endpoint); the evictor's other paths and
 the name mapping run on the stdlib. Publishing never blocks or fails eviction: sends
@@ -45,6 +66,11 @@ BATCH = 256  # block hashes per event
 SUBSCRIBER_WAIT_SECONDS = 2.0  # before eviction starts: a subscriber's subscription
 LINGER_MS = 1000  # close waits at most this long for queued events to leave
 SEND_HWM = 10_000  # messages queued per peer; beyond it a send is refused, never waits
+# The connection's kernel send buffer (ZMQ_SNDBUF, SO_SNDBUF); None: the kernel's own
+# (autotuned, megabytes on loopback). Beyond SEND_HWM the socket buffers hold the rest
+# of what a subscriber that stopped reading was sent; tests make them small so that a
+# slow consumer fills them at a known point.
+SEND_BUFFER_BYTES: int | None = None
 _MASK = (1 << 64) - 1
 _KVTIER_NAME = re.compile(r"([0-9a-f]+)\.kvb\Z")
 _VLLM_FS_NAME = re.compile(r"([0-9a-f]+)\.bin\Z")
@@ -164,7 +190,10 @@ class Publisher:
         if problem:
             self._fail(problem)
         self._pending: dict[int, list[int]] = {}  # group -> hashes
-        self._seq = 0
+        # Each topic's own sequence, from 0 and without gaps over the batches the socket
+        # took: one stream per pod, as each vLLM publisher numbers its own (see
+        # "Sequence numbers" in the module docstring).
+        self._seq = dict.fromkeys(self.topics, 0)
         self._lock = threading.Lock()
         self._socket: Any = None
         self._zmq: Any = None
@@ -193,6 +222,8 @@ class Publisher:
             sock: Any = zmq.Context.instance().socket(zmq.XPUB)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            if SEND_BUFFER_BYTES is not None:
+                sock.setsockopt(zmq.SNDBUF, SEND_BUFFER_BYTES)
             sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue refuses: counted, not lost
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a completed connection
             sock.connect(self.endpoint)
@@ -255,14 +286,14 @@ class Publisher:
             if not self._subscribed(topic):  # XPUB would filter it out
                 self.dropped += len(hashes)
                 continue
-            frames = [topic, self._seq.to_bytes(8, "big"), payload]
+            frames = [topic, self._seq[topic].to_bytes(8, "big"), payload]
             try:
                 self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK)
             except self._zmq.ZMQError as err:  # Again: the subscriber's queue is full
                 self.dropped += len(hashes)
                 self._fail(f"dropped events: {err}")
                 continue
-            self._seq += 1
+            self._seq[topic] += 1
             self.published += len(hashes)
 
     def close(self) -> None:

@@ -135,6 +135,10 @@ class Launcher(ABC):
         """Make the server publish KV events; returns why not (changing nothing)."""
         return f"kvtier cannot pass a KV-events config to {self.label}"
 
+    # The port the server takes requests on unless told otherwise (its --port default):
+    # what an InferencePool targets by default, and so the router's name of a pod,
+    # <pod IP>:<port>, unless spec.router.targetPorts says otherwise.
+    serving_port: ClassVar[int | None] = None
     # Where the server serves /metrics unless the pod says otherwise (observe: a
     # kvtier.dev/metrics-port annotation, a container port named metrics or http).
     metrics_port: ClassVar[int | None] = None
@@ -305,6 +309,15 @@ class Adapter(ABC):
 
     def router_block_size(self, spec: TieredPrefixCacheSpec) -> int:
         return spec.router.block_size or ROUTER_BLOCK_TOKENS
+
+    def router_target_ports(self, spec: TieredPrefixCacheSpec) -> list[int]:
+        """The ports the router names a pod by (its InferencePool's targetPorts):
+        spec.router.targetPorts, else the server's default port; empty where neither is
+        known."""
+        if spec.router.target_ports:
+            return list(spec.router.target_ports)
+        port = self.launcher.serving_port
+        return [] if port is None else [port]
 
     def router_cpu_blocks(self, spec: TieredPrefixCacheSpec) -> int | None:
         """The router's CPU-tier LRU capacity per replica, in router blocks; None: no

@@ -14,15 +14,22 @@ from typing import Any
 
 from kvtier_operator import names
 from kvtier_operator.api.v1alpha1 import TieredPrefixCache
+from kvtier_operator.engines.registry import adapter_for
 
-# The router's identity of a pod. Assumed, not confirmed against the router's source from
-# here: `<pod IP>:<port>` of its per-pod subscriber, the port being where the pods publish
-# KV events (spec.router.kvEventsPort, the router's podDiscoveryConfig.socketPort). llm-d's
-# centralised-publisher guides name pods `$(POD_IP):$(POD_PORT)` with the serving port
-# instead; should that be the router's, this is the one line to change.
+# The router's name of a pod, checked at llm-d-router ebab687: `<pod IP>:<port>`, the port
+# one of its InferencePool's targetPorts (one endpoint per port, pkg/epp/datastore/
+# datastore.go:332-346: Address = pod.Status.PodIP, Port = TargetPorts[rank]), never the
+# KV-events port. Its per-pod subscriber indexes a pod's own events under
+# fmt.Sprintf("%s:%s", Address, Port) (preciseprefixcache/extractor.go:80, which
+# replaces the topic's pod, pkg/kvevents/pool.go:321-323), and scoring looks entries up by
+# the same (preciseprefixcache/producer.go:379, utils.go:37). On the bound socket the
+# evictor publishes to, the topic's pod segment is the name (engineadapter/common.go:
+# 36-45), so it must be exactly this; a BlockRemoved under another name finds no KV cache
+# group for it and is skipped (pool.go:589-607). IPv6 unbracketed, as Go's %s:%s writes it.
 POD_IDENTITY = "{ip}:{port}"
-# At most this many pods a cache: a larger selection publishes to the first ones (sorted)
-# and the evictor's copies stay bounded (each removal batch is sent once per pod).
+# At most this many identities a cache (pods x target ports): a larger selection
+# publishes to the first ones (sorted) and the evictor's copies stay bounded (each
+# removal batch is sent once per identity).
 MAX_EVENT_PODS = 256
 
 
@@ -32,10 +39,11 @@ def publishes_events(tpc: TieredPrefixCache) -> bool:
 
 
 def event_pod_identities(tpc: TieredPrefixCache, pod_ips: Iterable[str]) -> list[str]:
-    """The router identities of the pods at these addresses: sorted, at most
-    MAX_EVENT_PODS."""
-    port = tpc.spec.router.kv_events_port
-    return sorted({POD_IDENTITY.format(ip=ip, port=port) for ip in pod_ips})[:MAX_EVENT_PODS]
+    """The router identities of the pods at these addresses, one per target port (the
+    InferencePool's, adapter.router_target_ports): sorted, at most MAX_EVENT_PODS."""
+    ports = adapter_for(tpc.spec).router_target_ports(tpc.spec)
+    return sorted({POD_IDENTITY.format(ip=ip, port=port)
+                   for ip in pod_ips for port in ports})[:MAX_EVENT_PODS]
 
 
 def render_event_pods_configmap(tpc: TieredPrefixCache, pod_ips: Iterable[str]

@@ -173,11 +173,20 @@ def render_router_configmap(tpc: TieredPrefixCache,
 
 
 def model_servers(tpc: TieredPrefixCache) -> dict[str, Any] | None:
-    """The router values' model-server selector where the engine narrows it (multi-host
-    TPU: leaders only, the pods that run vLLM's HTTP server): the selector's labels plus
-    the adapter's. None where the user's selector is the router's."""
+    """The router values' model-server block (the llm-d router chart's
+    router.modelServers, config/charts/routerlib/values.yaml at ROUTER_COMMIT) where kvtier
+    has something to say: the selector where the engine narrows it (multi-host TPU:
+    leaders only, the pods that run vLLM's HTTP server: the selector's labels plus the
+    adapter's), and the InferencePool's targetPorts where spec.router.targetPorts gives
+    them, so the pool and the names kvtier publishes removals under (render/event_pods.py)
+    come from one field. None where the chart's own values are right."""
+    router = tpc.spec.router
     labels = adapter_for(tpc.spec).router_server_labels(tpc)
-    if labels is None:
+    if labels is None and not router.target_ports:
         return None
-    return {"modelServers": {"matchLabels": {**(tpc.spec.selector.match_labels or {}),
-                                             **labels}}}
+    servers: dict[str, Any] = {}
+    if labels is not None or tpc.spec.selector.match_labels:
+        servers["matchLabels"] = {**(tpc.spec.selector.match_labels or {}), **(labels or {})}
+    if router.target_ports:
+        servers["targetPorts"] = [{"number": port} for port in router.target_ports]
+    return {"modelServers": servers}

@@ -34,12 +34,12 @@ async def test_the_event_pods_follow_the_pods(kmock):
     kmock.objects[TPC, NS, "cache"] = doc
     kmock.objects["v1/pods", NS, "decode-a"] = injected("decode-a", "10.0.0.5")
     async with operator(kmock, drift_interval=0.2):
-        await until(lambda: listed(kmock) == "10.0.0.5:5557\n", what="first pod listed")
+        await until(lambda: listed(kmock) == "10.0.0.5:8000\n", what="first pod listed")
         kmock.objects["v1/pods", NS, "decode-b"] = injected("decode-b", "10.0.0.4")
-        await until(lambda: listed(kmock) == "10.0.0.4:5557\n10.0.0.5:5557\n",
+        await until(lambda: listed(kmock) == "10.0.0.4:8000\n10.0.0.5:8000\n",
                     what="second pod listed")
         await kmock.delete(f"/api/v1/namespaces/{NS}/pods/decode-a")
-        await until(lambda: listed(kmock) == "10.0.0.4:5557\n", what="gone pod dropped")
+        await until(lambda: listed(kmock) == "10.0.0.4:8000\n", what="gone pod dropped")
         cron = obj(kmock, "batch/v1/cronjobs", NS, "cache-evictor")
         assert "--events-pods-file" in cron["spec"]["jobTemplate"]["spec"]["template"][
             "spec"]["containers"][0]["args"]

@@ -155,8 +155,10 @@ def test_cel_rules_exist_for_cross_field_checks():
     # below its oldest, not below a field's feature (syncLoadBudget: 0.33); syncLoadBudget
     # only with connector native, and not with several KV cache groups; localDisk and
     # objectStore only behind a CPU tier and only with the adapters that chain them,
-    # exactly one local-disk volume source, peerSharing refused
-    assert len(cross_field) == 30
+    # exactly one local-disk volume source, peerSharing refused; no '@' in the model name
+    # under precise scoring (the router's KV-events topic); evictionEventsEndpoint only
+    # with the precise config
+    assert len(cross_field) == 32
     field_rules = {path for path, r in found if r["rule"].lstrip("!").startswith("self.matches")}
     assert field_rules == {"spec.containerName", "spec.model.name",
                            "spec.storage.pvc.storageClassName", "spec.storage.existingClaim",
@@ -206,6 +208,10 @@ def test_cel_rules_accept_the_examples():
         ({"cpu": None, "storage": None}, "spec.cpu is required unless"),
         ({"cpu": None, "storage": {"backend": "vllm-fs"}}, "spec.cpu is required unless"),
         ({"cpu": None, "connector": "lmcache"}, "spec.cpu is required unless"),
+        ({"model": {"name": "org/m@v2"}, "router": {"enabled": True, "scoring": "precise"}},
+         "which the router splits at '@'"),
+        ({"router": {"enabled": True, "evictionEventsEndpoint": "tcp://epp:5590"}},
+         "takes the evictor's removals only with the precise config"),
     ],
 )
 def test_cel_rules_reject(patch, needle):

@@ -31,15 +31,27 @@ def test_the_injected_pods_are_listed_and_follow_the_pods():
             running("other", "10.0.0.9", cache="another"), running("starting", None)]
     outcome = run(gw, doc, pods)
     assert outcome.ok
-    assert listed(gw) == ["10.0.0.1:5557", "10.0.0.2:5557"]
+    assert listed(gw) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # vLLM's serving port
     owner = gw.store[KEY]["metadata"]["ownerReferences"][0]
     assert owner["uid"] == "u-1" and owner["controller"]
     run(gw, doc, [running("decode-1", "10.0.0.1"), running("decode-2", "10.0.0.3")])
-    assert listed(gw) == ["10.0.0.1:5557", "10.0.0.3:5557"]
+    assert listed(gw) == ["10.0.0.1:8000", "10.0.0.3:8000"]
     writes = len([c for c in gw.calls if c[0] in ("create", "patch") and c[2] == KEY[2]])
     run(gw, doc, [running("decode-1", "10.0.0.1"), running("decode-2", "10.0.0.3")])
     assert len([c for c in gw.calls if c[0] in ("create", "patch") and c[2] == KEY[2]]) \
         == writes  # unchanged pods: no write
+
+
+def test_a_pod_is_named_by_its_target_ports_never_the_kv_events_port():
+    """llm-d-router ebab687 names a pod <pod IP>:<InferencePool target port>, one per
+    port (pkg/epp/datastore/datastore.go:332-346, preciseprefixcache/extractor.go:80,
+    producer.go:379): removals under the KV-events port would match nothing it indexed."""
+    gw = FakeGateway()
+    router = {**PUBLISHING["router"], "kvEventsPort": 5600, "targetPorts": [8200, 8201]}
+    run(gw, body({"router": router}),
+        [running("decode-0", "10.0.0.2"), running("decode-1", "fd00::7")])
+    assert listed(gw) == ["10.0.0.2:8200", "10.0.0.2:8201", "fd00::7:8200", "fd00::7:8201"]
+    assert not any(line.endswith(":5600") for line in listed(gw))
 
 
 def test_the_list_is_bounded():

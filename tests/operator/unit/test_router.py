@@ -264,3 +264,49 @@ def test_evictor_publishes_where_the_router_binds():
     assert args[args.index("--events-endpoint") + 1] == "tcp://epp:5590"
     assert args[args.index("--events-topic") + 1] == "kv@cache@Qwen/Qwen3-32B"
     assert "--events-endpoint" not in evictor_args(tpc({"router": PRECISE}))
+
+
+# ------------------------------------------------- the router's name of a pod
+
+def test_target_ports_default_to_the_engines_serving_port():
+    """vLLM's --port default, which is also the llm-d router chart's default targetPorts
+    (config/charts/routerlib/values.yaml at ROUTER_COMMIT)."""
+    t = tpc({"router": PRECISE})
+    assert adapter_for(t.spec).router_target_ports(t.spec) == [8000]
+    assert "model-servers.yaml" not in render_router_configmap(t)["data"]
+
+
+def test_target_ports_go_into_the_routers_model_servers_values():
+    """One field for the InferencePool's targetPorts and the pods' names kvtier publishes
+    removals under: the router chart's modelServers values carry the same ports."""
+    t = tpc({"router": PRECISE | {"targetPorts": [8200, 8201]}})
+    assert adapter_for(t.spec).router_target_ports(t.spec) == [8200, 8201]
+    values = yaml.safe_load(render_router_configmap(t)["data"]["model-servers.yaml"])
+    assert values["modelServers"]["targetPorts"] == [{"number": 8200}, {"number": 8201}]
+    assert values["modelServers"]["matchLabels"] == t.spec.selector.match_labels
+
+
+@pytest.mark.parametrize("ports", [[], [8000, 8000], [0], [70000], list(range(8000, 8009))])
+def test_bad_target_ports_are_refused(ports):
+    with pytest.raises(ValueError, match=r"targetPorts|target_ports"):
+        tpc({"router": PRECISE | {"targetPorts": ports}})
+
+
+def test_precise_refuses_a_model_name_the_routers_topic_cannot_carry():
+    """The router splits kv@<pod>@<model> at '@' and takes exactly three parts
+    (engineadapter/common.go:36-45 at ROUTER_COMMIT): an '@' in the model empties it."""
+    doc = tpc_doc({"router": PRECISE})
+    doc["spec"]["model"]["name"] = "org/model@v2"
+    with pytest.raises(ValueError, match=r"spec\.model\.name.*'@'"):
+        parse_tpc(doc)
+    doc["spec"]["router"] = {"enabled": True}
+    assert parse_tpc(doc).spec.model.name == "org/model@v2"  # approximate: no topic
+
+
+@pytest.mark.parametrize("router", [{"enabled": True}, {"enabled": False, "scoring": "precise"},
+                                    {"scoring": "precise"}])
+def test_eviction_events_need_the_precise_config(router):
+    """Without kvtier's precise config nothing binds the endpoint and the pods publish no
+    events to index: every run would drop every removal. Refused with the fix."""
+    with pytest.raises(ValueError, match=r"set spec\.router\.enabled: true and scoring: precise"):
+        tpc({"router": router | {"evictionEventsEndpoint": "tcp://epp:5590"}})

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated, TypeAlias
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvtier_operator.api.v1alpha1.fields import ApiModel, ConfigMapName, ZmqEndpoint
+
+# A TCP port a pod serves on.
+Port: TypeAlias = Annotated[int, Field(ge=1, le=65535)]
+# An InferencePool's targetPorts (the Gateway API inference extension allows 8).
+MAX_TARGET_PORTS = 8
 
 
 class RouterApiVersion(StrEnum):
@@ -50,7 +56,20 @@ class TierWeights(ApiModel):
         raise KeyError(tier)
 
 
+# Removals the router could never take: it binds the endpoint and indexes the pods' KV
+# events only in the precise config kvtier renders (render/router.py).
+EVICTION_EVENTS_NEED_PRECISE = (
+    "spec.router.evictionEventsEndpoint: the router takes the evictor's removals only "
+    "with the precise config kvtier renders (the pods' KV events, the bound endpoint); "
+    "set spec.router.enabled: true and scoring: precise, or remove evictionEventsEndpoint")
+
+
 class Router(ApiModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.evictionEventsEndpoint) || (has(self.enabled) && self.enabled "
+                "&& has(self.scoring) && self.scoring == 'precise')",
+        "message": EVICTION_EVENTS_NEED_PRECISE}]})
+
     enabled: bool = Field(
         default=False,
         description="Render the llm-d router (EPP) prefix-cache scorer config into a ConfigMap.",
@@ -89,9 +108,32 @@ class Router(ApiModel):
         description="precise: the port each pod publishes KV events on (the router "
         "connects to <pod IP>:<port>).",
     )
+    target_ports: list[Port] | None = Field(
+        default=None, min_length=1, max_length=MAX_TARGET_PORTS,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="The ports the router sends these pods' requests to: its "
+        "InferencePool's targetPorts, in the same order (one a data-parallel rank). The "
+        "router names a pod <pod IP>:<port>, one per port, and the evictor's removals are "
+        "sent under those names. Default: the engine's serving port (vLLM 8000).",
+    )
     eviction_events_endpoint: ZmqEndpoint | None = Field(
         default=None,
         description="Where the evictor publishes BlockRemoved for every block file it "
         "deletes, as tcp://<host>:<port> (a router-side KV-events endpoint, e.g. its "
         "Service); unset: the evictor publishes nothing. Failures never block eviction.",
     )
+
+    @model_validator(mode="after")
+    def _eviction_events_need_precise(self) -> Router:
+        if self.eviction_events_endpoint is not None and not (
+                self.enabled and self.scoring == RouterScoring.precise):
+            raise ValueError(EVICTION_EVENTS_NEED_PRECISE)
+        return self
+
+    @field_validator("target_ports")
+    @classmethod
+    def _ports_once(cls, ports: list[int] | None) -> list[int] | None:
+        if ports is not None and len(set(ports)) != len(ports):
+            raise ValueError("spec.router.targetPorts lists a port twice; list each once, "
+                             "as in the InferencePool's targetPorts")
+        return ports

@@ -16,7 +16,7 @@ from kvtier_operator.api.v1alpha1.geometry import ModelGeometry
 from kvtier_operator.api.v1alpha1.local_disk import LocalDiskTier
 from kvtier_operator.api.v1alpha1.object_store import ObjectStoreTier
 from kvtier_operator.api.v1alpha1.peer_sharing import PEER_SHARING_REFUSED, PeerSharing
-from kvtier_operator.api.v1alpha1.router import Router
+from kvtier_operator.api.v1alpha1.router import Router, RouterScoring
 from kvtier_operator.api.v1alpha1.selector import LabelSelector
 from kvtier_operator.api.v1alpha1.settings import (
     Connector,
@@ -46,6 +46,15 @@ class RolloutPolicy(StrEnum):
     Auto = "Auto"
     Manual = "Manual"
 
+# The router reads a KV-events topic kv@<pod>@<model> by splitting it at "@" and takes it
+# apart only when there are exactly three parts (llm-d-router ebab687,
+# pkg/kvevents/engineadapter/common.go:36-45); otherwise its model is empty and every
+# block the pods announce is keyed under the wrong model, never matching a request.
+MODEL_NAME_IN_TOPIC = (
+    "spec.model.name: with spec.router.scoring precise the model name travels in the "
+    "KV-events topic kv@<pod>@<model>, which the router splits at '@'; use the served "
+    "model name without '@' (vLLM --served-model-name), or scoring approximate")
+
 
 # Rules that hold whatever the engine; validation/ adds the engines' own when it builds
 # the CRD (crd.openapi_schema).
@@ -65,6 +74,11 @@ SPEC_RULES: list[dict[str, str]] = [
         "message": MORE_TIERS_NEED_CPU,
     },
     {"rule": "!has(self.peerSharing)", "message": PEER_SHARING_REFUSED},
+    {
+        "rule": "!has(self.router) || !has(self.router.scoring) || "
+        "self.router.scoring != 'precise' || !self.model.name.contains('@')",
+        "message": MODEL_NAME_IN_TOPIC,
+    },
 ]
 
 
@@ -178,6 +192,12 @@ class TieredPrefixCacheSpec(ApiModel):
         if self.cpu is not None and self.storage is not None and (
                 self.storage.host_staging is not None):
             raise ValueError(STAGING_WITH_CPU_TIER)
+        return self
+
+    @model_validator(mode="after")
+    def _model_name_fits_the_topic(self) -> TieredPrefixCacheSpec:
+        if self.router.scoring == RouterScoring.precise and "@" in self.model.name:
+            raise ValueError(MODEL_NAME_IN_TOPIC)
         return self
 
     @model_validator(mode="after")

@@ -59,7 +59,8 @@ class SglangLauncher(Launcher):
     def options_env(self, options: Any) -> dict[str, str]:
         return {}
 
-    metrics_port: ClassVar[int | None] = 30000  # the server's --port default
+    serving_port: ClassVar[int | None] = 30000  # the server's --port default
+    metrics_port: ClassVar[int | None] = serving_port
     metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
 
     def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:

@@ -240,9 +240,13 @@ def lmcache_disk_dir(mount_path: str) -> str:
 
 def kv_events_config(tpc: TieredPrefixCache) -> dict[str, Any] | None:
     """vLLM's --kv-events-config for precise scoring: a ZMQ PUB bound on every pod at
-    spec.router.kvEventsPort, where the router's per-pod subscriber connects (it names
-    the pod by its address, so the topic only has to start with the router's filter
-    "kv@"; the model segment is the router's model name)."""
+    spec.router.kvEventsPort, where the router's per-pod subscriber connects. At
+    llm-d-router ebab687 that subscriber names the pod <pod IP>:<InferencePool target
+    port> itself and overrides the topic's pod segment (preciseprefixcache/extractor.go:80,
+    pkg/kvevents/pool.go:321-323), so the topic only has to start with the router's filter
+    "kv@" and have exactly three '@' parts (engineadapter/common.go:36-45). Its model
+    segment seeds the router's block keys (kvblock/token_processor.go:168-174), so it is
+    the name requests target: spec.model.name, which may not hold '@' here."""
     spec = tpc.spec
     if not spec.router.enabled or spec.router.scoring != RouterScoring.precise:
         return None

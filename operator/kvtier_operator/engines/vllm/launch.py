@@ -155,7 +155,8 @@ class VllmLauncher(Launcher):
     def add_events(self, container: dict[str, Any], config: dict[str, Any]) -> str:
         return add_kv_events_config(container, kv_transfer_json(config))
 
-    metrics_port: ClassVar[int | None] = 8000  # the OpenAI server's --port default
+    serving_port: ClassVar[int | None] = 8000  # the OpenAI server's --port default
+    metrics_port: ClassVar[int | None] = serving_port
     metric_families: ClassVar[frozenset[str]] = metrics.FAMILIES
 
     def read_metrics(self, samples: Samples, offloaded: tuple[str, ...]) -> PodFigures | None:
