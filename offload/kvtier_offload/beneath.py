@@ -13,14 +13,39 @@ ENOTDIR or EXDEV): the block is a miss or a failed store, vLLM recomputes.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvtier_offload import native
+
+T = TypeVar("T")
 
 AT_FDCWD = -100  # Linux: "the current directory", for the *at calls
 DIR_FLAGS = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW \
     | os.O_CLOEXEC
+# What a network filesystem may answer a create for a moment while another node makes or
+# replaces the same names (GlusterFS: ENOENT for a directory the other node's mkdir is
+# making, ESTALE for a name its cache still points at the old inode of).
+RACING = (errno.ENOENT, errno.ESTALE)
+
+
+def once_more_if_racing(attempt: Callable[[], T], refresh: Callable[[], object]) -> T:
+    """attempt(), and where it failed with ENOENT or ESTALE (RACING), refresh() (a stat by
+    name: the kernel then looks the name up afresh; its own errors ignored) and attempt()
+    once more: the second answer stands."""
+    try:
+        return attempt()
+    except OSError as err:
+        if err.errno not in RACING:
+            raise
+    try:
+        refresh()
+    except OSError:
+        pass
+    return attempt()
 
 
 def _walk(dirfd: int, rel: str, flags: int, mode: int) -> int:
@@ -76,18 +101,7 @@ def makedirs_beneath(dirfd: int, rel: str, mode: int) -> None:
         for name in rel.split("/"):
             if name in ("", ".", ".."):
                 raise OSError(18, f"not a path below the volume: {rel!r}")
-            made = False
-            try:
-                os.mkdir(name, mode, dir_fd=at)
-                made = True
-            except FileExistsError:
-                pass
-            except OSError:
-                # a read-only or foreign mount may say EROFS/EACCES for one that is there
-                st = os.stat(name, dir_fd=at, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    raise
-            child = os.open(name, DIR_FLAGS, dir_fd=at)
+            child, made = _made_and_opened(at, name, mode)
             if at != dirfd:
                 os.close(at)
             at = child
@@ -99,3 +113,31 @@ def makedirs_beneath(dirfd: int, rel: str, mode: int) -> None:
     finally:
         if at != dirfd:
             os.close(at)
+
+
+def _made_and_opened(dirfd: int, name: str, mode: int) -> tuple[int, bool]:
+    """(an O_PATH fd of directory name in dirfd, whether it was made here): made where
+    missing; each of the mkdir and the open once more where it met ENOENT or ESTALE
+    (another node making the same directory: once_more_if_racing)."""
+    def look() -> os.stat_result:
+        return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+
+    made = once_more_if_racing(lambda: _mkdir_at(dirfd, name, mode), look)
+    return once_more_if_racing(lambda: os.open(name, DIR_FLAGS, dir_fd=dirfd), look), made
+
+
+def _mkdir_at(dirfd: int, name: str, mode: int) -> bool:
+    """mkdir name in dirfd: True where made, False where a directory is there already."""
+    try:
+        os.mkdir(name, mode, dir_fd=dirfd)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        if err.errno in RACING:
+            raise
+        # a read-only or foreign mount may say EROFS/EACCES for one that is there
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise
+        return False

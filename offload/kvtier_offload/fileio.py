@@ -29,6 +29,7 @@ import numpy as np
 from kvtier_offload import batchio
 from kvtier_offload.beneath import (
     DIR_FLAGS,
+    RACING,
     lstat_beneath,
     makedirs_beneath,
     open_beneath,
@@ -239,16 +240,22 @@ class BlockFiles:
         tmp = self.layout.temp_path(key).rpartition("/")[2]
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = self.direct
-        for attempt in range(2):
-            try:
-                dir_fd, name = parent_beneath(self.root_fd(), self.rel(path))
-                break
-            except FileNotFoundError:
-                if attempt:
-                    raise
-                self.ensure_dirs(os.path.dirname(path))  # first write, or reaped
+        dir_fd, name = self._parent(path)
         try:
-            fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664, dir_fd=dir_fd)
+            try:
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664,
+                             dir_fd=dir_fd)
+            except OSError as err:
+                # Once more in a directory looked up afresh (and made again where it was
+                # reaped): on a network filesystem another node's mkdir or rename of the
+                # same names can make a create fail for a moment (ENOENT, ESTALE).
+                if err.errno not in RACING:
+                    raise
+                os.close(dir_fd)
+                dir_fd = -1
+                dir_fd, name = self._parent(path, fresh=True)
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664,
+                             dir_fd=dir_fd)
             try:
                 try:
                     if direct:
@@ -267,7 +274,22 @@ class BlockFiles:
                     pass
                 raise
         finally:
-            os.close(dir_fd)
+            if dir_fd >= 0:
+                os.close(dir_fd)
+
+    def _parent(self, path: str, fresh: bool = False) -> tuple[int, str]:
+        """parent_beneath for a block path: its fan-out directory made first where it is
+        missing (a first write, or reaped by the evictor) or where fresh (asked again
+        after a create in it failed: made again, each level looked up afresh)."""
+        if fresh:
+            self.ensure_dirs(os.path.dirname(path))
+        try:
+            return parent_beneath(self.root_fd(), self.rel(path))
+        except OSError as err:
+            if fresh or err.errno not in RACING:
+                raise
+        self.ensure_dirs(os.path.dirname(path))
+        return parent_beneath(self.root_fd(), self.rel(path))
 
     def _write_direct(self, fd: int, header: bytes, data: memoryview) -> None:
         if aligned(data):

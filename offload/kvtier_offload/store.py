@@ -290,10 +290,10 @@ class BlockStore:
         else:
             # Only a regular file is a block (a directory is 4096 bytes on ext4, NFS).
             present = stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_SIZE
-            if present:
-                self._files.touch(path, st, self.cfg.touch_interval)
         self._lookups.remember((key,), present)
         self.metrics.lookups.labels("hit" if present else "miss").inc()
+        if present:  # after the answer: a request waits on it, not on the atime refresh
+            self._files.touch(path, st, self.cfg.touch_interval)
         return present
 
     def lookup(self, key: bytes, patient: bool = False) -> bool | None:
@@ -644,14 +644,6 @@ class BlockStore:
             batch_keys = [batch_keys[n] for n in served]
             indices = [indices[n] for n in served]
             sizes, each, last_used = sizes[served], each[served], last_used[served]
-        stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
-        # Touched at most once per touch_interval (0, unknown, counts as stale).
-        for n in np.flatnonzero(last_used <= stale).tolist():
-            path = self.layout.path(batch_keys[n])
-            try:
-                self._files.touch(path, self._files.lstat(path), self.cfg.touch_interval)
-            except OSError:
-                pass  # evicted since it was read: the bytes were verified, a hit
         served_sizes = sizes.tolist()
         self._lookups.remember(batch_keys, True)
         self.metrics.load_ok.inc(len(indices))
@@ -660,6 +652,16 @@ class BlockStore:
         settled.update(indices)
         self._jobs.report(job, [(index, True, size)
                                 for index, size in zip(indices, served_sizes, strict=True)])
+        # After the report: the request waits for its bytes, not for the atime refresh
+        # (two more round trips per block on a network filesystem). Touched at most once
+        # per touch_interval (0, unknown, counts as stale).
+        stale = time.time_ns() - int(self.cfg.touch_interval * 1e9)
+        for n in np.flatnonzero(last_used <= stale).tolist():
+            path = self.layout.path(batch_keys[n])
+            try:
+                self._files.touch(path, self._files.lstat(path), self.cfg.touch_interval)
+            except OSError:
+                pass  # evicted since it was read: the bytes were verified, a hit
 
     def _load_one(self, key: bytes, dest: memoryview) -> bool:
         """Load one block into dest on the Python path."""

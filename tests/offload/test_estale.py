@@ -1,8 +1,10 @@
 """A load meets ESTALE the way GlusterFS serves it after another node replaced a block
 file (tests/netfs shows the real thing): the name opens, the first fstat or read fails
-with ESTALE, every reopen too until the name is stat'ed. Without a network filesystem:
-an LD_PRELOAD shim (shims/estale.c, built here) plays that filesystem in a child
-process; the blocks are written beforehand without it."""
+with ESTALE, every reopen too until the name is stat'ed. A store meets what GlusterFS
+answers while the other node creates the same names: ENOENT from a fan-out directory's
+mkdir, ESTALE from its temp file's create. Without a network filesystem: an LD_PRELOAD
+shim (shims/estale.c, built here) plays that filesystem in a child process; the blocks
+to load are written beforehand without it."""
 
 from __future__ import annotations
 
@@ -45,13 +47,14 @@ def written(make_store, tmp_path) -> Path:
     return tmp_path
 
 
-def in_shim(shim: Path, code: str) -> dict:
-    """Run code (which prints one JSON line) in a child with the shim preloaded."""
+def in_shim(shim: Path, code: str, stale: str = ".kvb") -> dict:
+    """Run code (which prints one JSON line) in a child with the shim preloaded, names
+    holding `stale` stale ("": none)."""
     # After what is preloaded already (scripts/sanitize.sh: the ASan runtime, which must
     # come first), on the path this process has (there: the sanitized build).
     path = os.environ.get("PYTHONPATH") or os.pathsep.join(
         str(ROOT / p) for p in ("offload", "operator", "evictor"))
-    env = dict(os.environ, KVTIER_TEST_ESTALE=".kvb",
+    env = dict(os.environ, KVTIER_TEST_ESTALE=stale,
                LD_PRELOAD=":".join(filter(None, (os.environ.get("LD_PRELOAD"), str(shim)))),
                PYTHONPATH=os.pathsep.join((str(ROOT), path)))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -163,3 +166,33 @@ def test_again_if_stale_passes_other_errors_on_and_tries_once_only(tmp_path):
     with pytest.raises(PermissionError):
         batchio.again_if_stale(str(tmp_path / "f"), lambda: (_ for _ in ()).throw(
             PermissionError(13, "no")))
+
+
+@pytest.mark.parametrize("batch_io", [
+    True,
+    False,
+], ids=["batch", "python"])
+def test_a_store_that_meets_another_node_creating_the_same_names_still_stores(
+        shim, tmp_path, batch_io):
+    """tests/netfs' same-key writers on two nodes failed once so: node B's mkdir of a
+    fan-out directory said ENOENT, node A's create of its temp file ESTALE, and neither
+    stored the key. Each of those is tried once more."""
+    code = f"""
+import json, mmap, os
+from kvtier_offload.store import BlockStore, StoreConfig
+from tests.offload.conftest import keys, rows, run_load, run_store, FP
+store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint=FP, batch_io={batch_io},
+                               read_threads=2, write_threads=2))
+os.environ["KVTIER_TEST_RACE"] = "1"  # from now on: each name's first mkdir or create fails
+ks = keys({N}, b"race")
+stored = run_store(store, 1, list(zip(ks, rows({N}, {SIZE}))))
+del os.environ["KVTIER_TEST_RACE"]
+for k in ks:
+    store.forget(k)
+dests = [memoryview(mmap.mmap(-1, {SIZE})) for _ in ks]
+loaded = run_load(store, 2, list(zip(ks, dests)))
+want = rows({N}, {SIZE})
+print(json.dumps(list(stored.ok) + list(loaded.ok) + [d == w for d, w in zip(dests, want)]))
+store.close()
+"""
+    assert in_shim(shim, code, stale="") == [True] * (3 * N)

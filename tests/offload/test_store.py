@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import statistics
 import struct
+import threading
 import time
 
 import numpy as np
@@ -264,6 +265,15 @@ def test_a_key_another_store_wrote_first_is_kept_and_counted(make_store, batch_i
     assert second.lookup_now(ks) == [True, True]
 
 
+def idle(store, seconds: float = 10.0) -> None:
+    """Wait until no I/O thread runs a task: a load's atime refresh comes after its job
+    is reported done (the request does not wait for it)."""
+    deadline = time.monotonic() + seconds
+    while store.pool.busy() != (0, 0):
+        assert time.monotonic() < deadline, "the I/O threads never went idle"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("batch_io", [True, False], ids=["batch", "python"])
 def test_a_load_refreshes_atime_at_most_once_per_interval(make_store, tmp_path, batch_io):
     patient = make_store(batch_io=batch_io, touch_interval=3600.0)
@@ -272,13 +282,16 @@ def test_a_load_refreshes_atime_at_most_once_per_interval(make_store, tmp_path, 
     run_store(patient, 1, list(zip(ks, rows(1, SIZE))))
     time.sleep(0.02)  # past the clock tick of the write (file times are coarse)
     assert run_load(patient, 2, list(zip(ks, rows(1, SIZE)))).success
+    idle(patient)
     # atime is now past mtime and ctime: relatime leaves it alone, only kvtier moves it
     atime = os.stat(path).st_atime_ns
     time.sleep(0.02)
     assert run_load(patient, 3, list(zip(ks, rows(1, SIZE)))).success
+    idle(patient)
     assert os.stat(path).st_atime_ns == atime  # used within the hour: not touched
     eager = make_store(batch_io=batch_io, touch_interval=0.0)
     assert run_load(eager, 4, list(zip(ks, rows(1, SIZE)))).success
+    idle(eager)
     assert os.stat(path).st_atime_ns > atime
 
 
@@ -412,7 +425,10 @@ def test_lookup_is_async_cached_and_refreshes_atime(make_store):
         time.sleep(0.01)
         answers.append(store.lookup(ks[0]))
     assert answers[0] is None and answers[-1] is True
-    assert os.stat(path).st_atime > 1000.0  # the hit refreshed it
+    # the hit refreshes it, just after answering
+    while os.stat(path).st_atime <= 1000.0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert os.stat(path).st_atime > 1000.0
     assert store.lookup_now([ks[1]]) == [False]
 
 
@@ -897,3 +913,33 @@ def test_a_long_scan_on_a_slow_volume_settles_with_the_hits_it_found(make_store,
     hung_stats(monkeypatch, store, {store.layout.path(k) for k in ks}, lambda: time.sleep(0.01))
     hits = _vllm_prefix_scan(store, ks)
     assert 0 < hits < len(ks)
+
+
+def test_a_hit_is_answered_and_loaded_before_its_atime_refresh(make_store, monkeypatch):
+    """On a network filesystem the refresh is two more round trips per block (a SETATTR
+    on a busy brick): the lookup's answer and the load's report come first."""
+    store = make_store(touch_interval=0.0)
+    ks = keys(2)
+    assert run_store(store, 1, list(zip(ks, rows(2, SIZE)))).success
+    store.forget(ks[0])
+    release = threading.Event()
+    touched: list[str] = []
+
+    def slow_touch(path, st, interval) -> None:
+        touched.append(path)
+        release.wait(30)
+
+    monkeypatch.setattr(store.files, "touch", slow_touch)
+    try:
+        deadline = time.monotonic() + 10
+        while (answer := store.lookup(ks[0], patient=True)) is None:
+            assert time.monotonic() < deadline, "the lookup waited for the atime refresh"
+            time.sleep(0.005)
+        assert answer is True
+        dest = [memoryview(mmap.mmap(-1, SIZE)) for _ in ks]  # aligned: the batch path
+        store.load(2, list(zip(ks, dest)))
+        assert store.drain(10), "the load waited for the atime refresh"
+        assert store.finished()[-1].success
+        assert touched  # and the refresh did start
+    finally:
+        release.set()

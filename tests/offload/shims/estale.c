@@ -2,7 +2,11 @@
  * another node replaced a file. Every file whose path contains $KVTIER_TEST_ESTALE opens,
  * but its first fstat or read fails with ESTALE, and so does every later open of the
  * same name, until that name has been stat'ed (a stat by name makes the kernel look the
- * name up afresh there). Loaded only by tests/offload/test_estale.py's subprocesses. */
+ * name up afresh there). Loaded only by tests/offload/test_estale.py's subprocesses.
+ *
+ * With $KVTIER_TEST_RACE set (to anything), it also plays another node creating the same
+ * names at once: the first mkdir of each name fails with ENOENT, the first create (an
+ * open with O_CREAT) of each name with ESTALE; the second try of the same name works. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -49,6 +53,24 @@ static void stat_by_name(const char *path)
     pthread_mutex_unlock(&lock);
 }
 
+static char *raced[MAX_NAMES]; /* names whose first mkdir or create failed already */
+static int raced_count;
+
+/* Whether this mkdir or create of path is to fail (its first, under $KVTIER_TEST_RACE). */
+static int first_race(const char *path)
+{
+    int first = 1;
+    if (!getenv("KVTIER_TEST_RACE") || !path)
+        return 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < raced_count && first; i++)
+        first = strcmp(raced[i], path) != 0;
+    if (first && raced_count < MAX_NAMES)
+        raced[raced_count++] = strdup(path);
+    pthread_mutex_unlock(&lock);
+    return first;
+}
+
 static int opened(int fd, const char *path)
 {
     if (fd >= 0 && fd < MAX_FD)
@@ -76,6 +98,10 @@ static int stale(int fd)
         va_start(ap, flags);                                                             \
         mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;          \
         va_end(ap);                                                                      \
+        if ((flags & O_CREAT) && first_race(path)) {                                     \
+            errno = ESTALE;                                                              \
+            return -1;                                                                   \
+        }                                                                                \
         return opened(real_##name(path, flags, mode), path);                             \
     }
 OPEN(open)
@@ -89,10 +115,34 @@ OPEN(open64)
         va_start(ap, flags);                                                             \
         mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;          \
         va_end(ap);                                                                      \
+        if ((flags & O_CREAT) && first_race(path)) {                                     \
+            errno = ESTALE;                                                              \
+            return -1;                                                                   \
+        }                                                                                \
         return opened(real_##name(dir, path, flags, mode), path);                        \
     }
 OPENAT(openat)
 OPENAT(openat64)
+
+int mkdir(const char *path, mode_t mode)
+{
+    REAL(mkdir);
+    if (first_race(path)) {
+        errno = ENOENT;
+        return -1;
+    }
+    return real_mkdir(path, mode);
+}
+
+int mkdirat(int dir, const char *path, mode_t mode)
+{
+    REAL(mkdirat);
+    if (first_race(path)) {
+        errno = ENOENT;
+        return -1;
+    }
+    return real_mkdirat(dir, path, mode);
+}
 
 int close(int fd)
 {
