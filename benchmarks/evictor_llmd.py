@@ -46,7 +46,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from statistics import median
 
 LLMD = os.environ.get("KVTIER_BENCH_LLMD_EVICTOR", "")
