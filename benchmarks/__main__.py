@@ -8,8 +8,8 @@ import platform
 import sys
 import time
 
-BENCHES = ["store", "floor", "tier", "busy_hit", "evictor", "netfs_ops", "operator", "webhook",
-           "observe", "gpu"]
+BENCHES = ["store", "floor", "tier", "busy_hit", "evictor", "evictor_llmd", "netfs_ops",
+           "operator", "webhook", "observe", "gpu"]
 
 
 def machine() -> str:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from kvtier_evictor.layouts import Layout
 
-OFFER_SLICE = 4096  # a leaf directory's files are offered this many at a time
+OFFER_SLICE = 4096  # a unit's files are offered to the selection this many at a time
 MAX_LEFTOVERS = 100_000  # stale temp files, and empty directories, kept for one pass
 
 
@@ -165,19 +165,6 @@ def _open_below(name: str, parent_fd: int, path: str, totals: ScanTotals) -> int
         return None
 
 
-def _stream(fd: int, path: str, totals: ScanTotals) -> Iterator[str]:
-    """The names in the directory open as fd, one at a time (a directory of millions of
-    files is never listed whole); a read error ends the stream, recorded."""
-    try:
-        with os.scandir(fd) as it:
-            for entry in it:
-                yield entry.name
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        totals.errors.append(f"scandir {path}: {err.strerror or err}")
-
-
 def _listdir(fd: int, path: str, totals: ScanTotals) -> list[str] | None:
     """The names in the directory open as fd; None where it cannot be read."""
     try:
@@ -274,7 +261,13 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
         if len(items) < MAX_LEFTOVERS:
             items.append(item)
 
+    # The unit's LRU offers, gathered across its leaf directories (most hold a file or
+    # two) and handed over OFFER_SLICE at a time: one lock round trip per slice.
+    offers: list[tuple[float, int, str, int, int]] = []
+    scandir = os.scandir
+
     def walk(fd: int, directory: str, lvl: int) -> None:
+        nonlocal offers
         removable = lvl > first_removable  # lvl: its children's level
         if removable:  # its age and size before anything here is deleted
             try:
@@ -282,6 +275,7 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             except OSError:
                 removable = False  # unreadable: nothing to remove
         totals.dirs += 2  # calls to time (thread choice): its lookup (open) and its read
+        prefix = directory if directory.endswith("/") else directory + "/"
         if lvl != leaf_level:
             names = _listdir(fd, directory, totals)
             if names is None:
@@ -293,7 +287,7 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             for name in names:
                 if matches(name) is None:
                     continue
-                child_path = os.path.join(directory, name)
+                child_path = prefix + name
                 child = _open_below(name, fd, child_path, totals)
                 if child is None:
                     continue
@@ -302,49 +296,52 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
                 finally:
                     os.close(child)
             return
-        prefix = directory if directory.endswith("/") else directory + "/"
-        offers: list[tuple[float, int, str, int, int]] = []
         count = files = block_bytes = skipped = 0
-        for name in _stream(fd, directory, totals):
-            count += 1
-            block = block_file(name) is not None
-            if not block and (temp_file is None or temp_file(name) is None):
-                continue
-            try:
-                st = fstatat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            except OSError as err:
-                totals.errors.append(f"stat {prefix}{name}: {err.strerror or err}")
-                continue
-            if not is_reg(st.st_mode):
-                continue  # a symlink, a directory, a fifo...: not a cache file
-            blocks = st.st_blocks
-            size = blocks * 512 if blocks > 0 else st.st_size
-            if not block:
-                totals.temp_bytes += size
-                if now - st.st_mtime >= temp_guard:
-                    leftover(totals.stale_temps, Candidate(st.st_mtime, size, prefix + name,
-                                                           st.st_dev, st.st_ino))
-                continue
-            files += 1
-            block_bytes += size
-            atime, mtime = st.st_atime, st.st_mtime
-            used = atime if atime > mtime else mtime
-            if now - used < min_idle:
-                skipped += 1
-            elif selection is not None:
-                offers.append((used, size, prefix + name, st.st_dev, st.st_ino))
-                if len(offers) >= OFFER_SLICE:
-                    selection.offer_many(offers)
-                    offers = []
+        try:  # the names are streamed: a directory of millions is never listed whole
+            with scandir(fd) as it:
+                for entry in it:
+                    count += 1
+                    name = entry.name
+                    block = block_file(name) is not None
+                    if not block and (temp_file is None or temp_file(name) is None):
+                        continue
+                    try:
+                        st = fstatat(name, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as err:
+                        totals.errors.append(f"stat {prefix}{name}: {err.strerror or err}")
+                        continue
+                    if not is_reg(st.st_mode):
+                        continue  # a symlink, a directory, a fifo...: not a cache file
+                    blocks = st.st_blocks
+                    size = blocks * 512 if blocks > 0 else st.st_size
+                    if not block:
+                        totals.temp_bytes += size
+                        if now - st.st_mtime >= temp_guard:
+                            leftover(totals.stale_temps, Candidate(
+                                st.st_mtime, size, prefix + name, st.st_dev, st.st_ino))
+                        continue
+                    files += 1
+                    block_bytes += size
+                    atime, mtime = st.st_atime, st.st_mtime
+                    used = atime if atime > mtime else mtime
+                    if now - used < min_idle:
+                        skipped += 1
+                    elif selection is not None:
+                        offers.append((used, size, prefix + name, st.st_dev, st.st_ino))
+                        if len(offers) >= OFFER_SLICE:
+                            selection.offer_many(offers)
+                            offers = []
+        except FileNotFoundError:
+            pass  # removed under us by a writer's cleanup or another tool
+        except OSError as err:
+            totals.errors.append(f"scandir {directory}: {err.strerror or err}")
         if removable:
             note(directory, dir_st, count)
         totals.files += files
         totals.block_bytes += block_bytes
         totals.skipped_recent += skipped
-        if selection is not None:
-            selection.offer_many(offers)
 
     def note(directory: str, dir_st: os.stat_result, count: int) -> None:
         old = now - dir_st.st_mtime >= dir_guard
@@ -358,6 +355,8 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
             walk(fd, path, level)
         finally:
             os.close(fd)
+    if selection is not None:
+        selection.offer_many(offers)
     return totals
 
 

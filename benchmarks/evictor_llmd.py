@@ -1,0 +1,324 @@
+"""The evictor against llm-d's PVC evictor (its anchor), on realistic trees.
+
+Trees in the layout both evictors serve, vLLM's fs tier
+(`<model>_<fingerprint>_r0/<h[0:3]>/<h[3:5]>_g0/<h>.bin`, 64-hex block hashes): by
+default 120,000 files of 8 KiB and 420,000 of 4 KiB, last use spread over the files,
+every directory's times set to its newest file's (as on a live volume, where a directory
+changes when a file is written into it). Each tree is built once; per round it is
+copied (`cp -a`: names, data and times) onto a tmpfs of its own, sized so the tree fills
+90% of it, once per evictor, and each evictor is started on its copy as a process with
+its defaults (high 85%, low 70%). Who goes first alternates by round.
+
+Time: from the process start until statvfs shows the volume at or below 70% (polled
+every 10 ms); kvtier's run also reports its time to exit (it then stops by itself;
+llm-d's runs until told to). Files deleted: block files gone when the run ended. LRU
+quality: the share of the deleted files that are among as many of the tree's least
+recently used files (1.0: strict LRU; a random pick scores the share deleted). CPU:
+user + system seconds of the run's processes (llm-d's: all its processes, read from
+/proc when the volume reached 70%), the figure that load on a shared machine moves least.
+
+Then, once per tree, the floors on a copy of their own: `floor` is the least a correct
+LRU run does (in this process: scandir every directory, stat every block file by path,
+sort, unlink as many of the oldest as kvtier deleted by path; no re-check, no directory
+removal, no lock) and `find -delete` removes every block file.
+
+llm-d's evictor (llm-d/llm-d-kv-cache `kv_connectors/pvc_evictor`, stdlib only) is not
+on PyPI: it runs from a checkout named by KVTIER_BENCH_LLMD_EVICTOR (that directory;
+`git clone https://github.com/llm-d/llm-d-kv-cache` gives it), with its defaults (8
+crawler processes, batches of 100 through `xargs rm -f`, the folder cleaner) and its
+logs discarded. Without it the case says so and runs kvtier alone.
+
+    KVTIER_BENCH_LLMD_EVICTOR=.../kv_connectors/pvc_evictor python -m benchmarks evictor_llmd
+    KVTIER_BENCH_LLMD_TREES=120000x8,420000x4 (files x KiB), KVTIER_BENCH_ROUNDS=3,
+    KVTIER_BENCH_LLMD_FLOORS=0 (skip the floors)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+LLMD = os.environ.get("KVTIER_BENCH_LLMD_EVICTOR", "")
+TREES = os.environ.get("KVTIER_BENCH_LLMD_TREES", "120000x8,420000x4")
+ROUNDS = int(os.environ.get("KVTIER_BENCH_ROUNDS", "3"))
+FLOOR_RUNS = os.environ.get("KVTIER_BENCH_LLMD_FLOORS", "1") != "0"  # 0: skip the floors
+FILL = 0.90  # of the tmpfs the tree takes
+HIGH, LOW = 85.0, 70.0  # both evictors' defaults
+MODEL_DIR = "Qwen_Qwen3-0.6B_0123456789ab"
+CACHE = "kv"  # the cache directory on the volume (llm-d's CACHE_DIRECTORY)
+POLL = 0.01
+TIMEOUT = float(os.environ.get("KVTIER_BENCH_LLMD_TIMEOUT", "600"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    seconds: float  # start to at or below LOW
+    exit_seconds: float  # start to exit (kvtier) or to the stop signal (llm-d)
+    deleted: int
+    lru: float
+    cpu: float  # user + system seconds of the run's processes
+
+
+def block_hash(i: int) -> str:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).hexdigest()
+
+
+def last_use(i: int, n: int, now: float) -> float:
+    """Distinct and spread out (7919 is prime to both default sizes), all over 2 h old:
+    past both evictors' idle guards (kvtier 10 min, llm-d 60 min)."""
+    return now - 7200 - (i * 7919 % n)
+
+
+def build(cache: str, n: int, size: int, now: float) -> dict[str, float]:
+    """The tree under `cache`; returns each block file's name -> last use."""
+    rank = os.path.join(cache, f"{MODEL_DIR}_r0")
+    os.makedirs(os.path.join(cache, MODEL_DIR))
+    with open(os.path.join(cache, MODEL_DIR, "config.json"), "w") as f:
+        f.write('{"model_name": "Qwen/Qwen3-0.6B"}\n')
+    data = os.urandom(size)
+    newest: dict[str, float] = {}
+    used: dict[str, float] = {}
+    for i in range(n):
+        h = block_hash(i)
+        t = last_use(i, n, now)
+        leaf = os.path.join(rank, h[:3], f"{h[3:5]}_g0")
+        if leaf not in newest:
+            os.makedirs(leaf, exist_ok=True)
+        fd = os.open(os.path.join(leaf, f"{h}.bin"), os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, data)
+        os.utime(fd, (t, t))
+        os.close(fd)
+        used[f"{h}.bin"] = t
+        for d in (leaf, os.path.dirname(leaf), rank):
+            newest[d] = max(newest.get(d, 0.0), t)
+    for d, t in newest.items():  # a directory changes when a file lands in it
+        os.utime(d, (t, t))
+    return used
+
+
+def usage_percent(path: str) -> float:
+    st = os.statvfs(path)
+    return 100.0 * (st.f_blocks - st.f_bfree) / st.f_blocks
+
+
+def block_names(cache: str) -> set[str]:
+    found: set[str] = set()
+    for _, _, files in os.walk(cache):
+        found.update(f for f in files if f.endswith(".bin"))
+    return found
+
+
+def lru_quality(used: dict[str, float], left: set[str]) -> tuple[int, float]:
+    deleted = [name for name in used if name not in left]
+    if not deleted:
+        return 0, 1.0
+    oldest = set(sorted(used, key=used.__getitem__)[:len(deleted)])
+    return len(deleted), sum(name in oldest for name in deleted) / len(deleted)
+
+
+def watch(proc: subprocess.Popen[bytes], mount: str, began: float) -> float:
+    """Seconds from `began` until the volume is at or below LOW (or the process ends)."""
+    while time.perf_counter() - began < TIMEOUT:
+        if usage_percent(mount) <= LOW:
+            return time.perf_counter() - began
+        if proc.poll() is not None:
+            return time.perf_counter() - began
+        time.sleep(POLL)
+    raise TimeoutError(f"not at {LOW}% after {TIMEOUT}s")
+
+
+def run_kvtier(mount: str) -> tuple[float, float]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "evictor"))
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier_evictor", "--root",
+                             os.path.join(mount, CACHE), "--layout", "vllm-fs",
+                             "--high-watermark", str(HIGH), "--low-watermark", str(LOW)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reached = watch(proc, mount, began)
+    proc.wait(TIMEOUT)
+    return reached, time.perf_counter() - began
+
+
+def session_cpu(sid: int) -> float:
+    """CPU seconds of the live processes of session `sid` (llm-d's evictor and the
+    processes it started), from /proc: taken before it is stopped, as it stands then."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # session id; utime, stime, cutime, cstime follow
+            total += sum(int(x) for x in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run_llmd(mount: str) -> tuple[float, float, float]:
+    env = dict(os.environ, PVC_MOUNT_PATH=mount, CACHE_DIRECTORY=CACHE,
+               CLEANUP_THRESHOLD=str(HIGH), TARGET_THRESHOLD=str(LOW))
+    env.pop("PYTHONPATH", None)
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "evictor.py"], cwd=LLMD, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        reached = watch(proc, mount, began)
+        stopped = time.perf_counter() - began
+        cpu = session_cpu(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # its own graceful shutdown
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return reached, stopped, cpu
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_floor(mount: str, count: int) -> tuple[float, float]:
+    """The least a correct LRU run does here, in this process: os.scandir of every
+    directory and a stat of every block file by path, a sort, and an unlink by path of
+    the `count` oldest (no re-check, no directory removal, no lock, no report)."""
+    began = time.perf_counter()
+    cpu = time.process_time()
+    found: list[tuple[float, str]] = []
+    stack = [os.path.join(mount, CACHE)]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.name.endswith(".bin"):
+                    st = os.stat(entry.path, follow_symlinks=False)
+                    found.append((max(st.st_atime, st.st_mtime), entry.path))
+    found.sort()
+    for _, path in found[:count]:
+        os.unlink(path)
+    return time.perf_counter() - began, time.process_time() - cpu
+
+
+def one_run(side: str, template: str, used: dict[str, float], tree_bytes: int,
+            count: int = 0) -> Result:
+    mount = tempfile.mkdtemp(prefix=f"kvtier-bench-llmd-{side}-")
+    size_kib = int(tree_bytes / FILL) // 1024
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,nr_inodes=4m", "tmpfs",
+                    mount], check=True)
+    try:
+        subprocess.run(["cp", "-a", os.path.join(template, CACHE), mount], check=True)
+        before = usage_percent(mount)
+        if before <= HIGH:
+            raise RuntimeError(f"the copy fills {before:.1f}%, not above {HIGH}%")
+        if side == "floor":
+            reached, cpu = run_floor(mount, count)
+            ended = reached
+        elif side == "find -delete":
+            began = time.perf_counter()
+            cpu = children_cpu()
+            subprocess.run(["find", os.path.join(mount, CACHE), "-name", "*.bin", "-delete"],
+                           check=True)
+            reached = ended = time.perf_counter() - began
+            cpu = children_cpu() - cpu
+        elif side == "llm-d":
+            reached, ended, cpu = run_llmd(mount)
+        else:
+            cpu = children_cpu()
+            reached, ended = run_kvtier(mount)
+            cpu = children_cpu() - cpu
+        deleted, lru = lru_quality(used, block_names(os.path.join(mount, CACHE)))
+        return Result(reached, ended, deleted, lru, cpu)
+    finally:
+        subprocess.run(["umount", "-l", mount], check=False)
+        shutil.rmtree(mount, ignore_errors=True)
+
+
+def main() -> None:
+    if os.geteuid() != 0:
+        print("evictor_llmd: skipped (needs root to mount a tmpfs per run)")
+        return
+    sides = ["kvtier"]
+    if LLMD and os.path.isfile(os.path.join(LLMD, "evictor.py")):
+        sides.append("llm-d")
+    else:
+        print("llm-d's evictor: not run (set KVTIER_BENCH_LLMD_EVICTOR to a checkout's "
+              "kv_connectors/pvc_evictor); kvtier alone")
+    for spec in TREES.split(","):
+        files, kib = (int(x) for x in spec.lower().split("x"))
+        tree(files, kib * 1024, sides)
+
+
+FLOORS = ("floor", "find -delete")
+
+
+def show(r: int, side: str, res: Result) -> None:
+    print(f"| {r} | {side} | {res.seconds:.2f} | {res.exit_seconds:.2f} | {res.cpu:.2f} "
+          f"| {res.deleted:,} | {'-' if side == 'find -delete' else f'{res.lru:.3f}'} |",
+          flush=True)
+
+
+def tree(n: int, size: int, sides: list[str]) -> None:
+    template = tempfile.mkdtemp(prefix="kvtier-bench-llmd-template-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8g,nr_inodes=4m,noatime", "tmpfs",
+                    template],
+                   check=True)
+    try:
+        began = time.perf_counter()
+        used = build(os.path.join(template, CACHE), n, size, time.time())
+        tree_bytes = n * ((size + 4095) // 4096 * 4096)
+        print(f"\n### {n:,} files x {size // 1024} KiB (vLLM fs layout), tmpfs at "
+              f"{FILL:.0%}, freed to {LOW:.0f}%: built in {time.perf_counter() - began:.1f}s;"
+              f" {ROUNDS} alternating rounds\n")
+        print("| round | evictor | to <= 70% s | to exit s | CPU s | files deleted "
+              "| LRU quality |")
+        print("|---|---|---|---|---|---|---|")
+        got: dict[str, list[Result]] = {side: [] for side in sides}
+        for r in range(ROUNDS):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                res = one_run(side, template, used, tree_bytes)
+                got[side].append(res)
+                show(r + 1, side, res)
+        # The floors, once: what the cheapest correct LRU run and deleting everything
+        # cost on the same volume (the LRU floor deletes as many files as kvtier did).
+        for side in FLOORS if FLOOR_RUNS else ():
+            show(ROUNDS, side, one_run(side, template, used, tree_bytes,
+                                       got["kvtier"][-1].deleted))
+        if "llm-d" in got:
+            ratios = [a.seconds / b.seconds for a, b in zip(got["kvtier"], got["llm-d"],
+                                                            strict=True)]
+            exits = [a.exit_seconds / b.seconds for a, b in zip(got["kvtier"], got["llm-d"],
+                                                                strict=True)]
+            files = [a.deleted / b.deleted for a, b in zip(got["kvtier"], got["llm-d"],
+                                                           strict=True)]
+            print(f"\nkvtier/llm-d time to <= {LOW:.0f}%: "
+                  f"{' '.join(f'{x:.2f}' for x in ratios)} (median {median(ratios):.2f}x); "
+                  f"kvtier to exit / llm-d to <= {LOW:.0f}%: median {median(exits):.2f}x; "
+                  f"CPU {median(g.cpu for g in got['kvtier']):.2f}s vs "
+                  f"{median(g.cpu for g in got['llm-d']):.2f}s; "
+                  f"files deleted {median(files):.2f}x; LRU quality "
+                  f"{median([g.lru for g in got['kvtier']]):.3f} vs "
+                  f"{median([g.lru for g in got['llm-d']]):.3f}")
+    finally:
+        subprocess.run(["umount", "-l", template], check=False)
+        shutil.rmtree(template, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
