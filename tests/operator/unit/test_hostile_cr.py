@@ -26,7 +26,7 @@ except ImportError:
     from kvtier_operator.webhook import validate_tpc
 
 SCHEMA = openapi_schema()
-BOUND_S = 1.0  # generous; before this change 1e400000 took 14.5 s and 1e1000000 a minute
+BOUND_S = 3.0  # before this change 1e400000 took 14.5 s and 1e1000000 a minute; 1 s flaked at load 12-20
 
 
 def spec(patch: dict[str, Any]) -> dict[str, Any]:
