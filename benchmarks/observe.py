@@ -2,7 +2,7 @@
 page captured from a real vLLM 0.32 API server (tests/fixtures/metrics/, about 500
 series), read by the operator's Observer with its default bounds.
 
-The pages come from a server in another process (its CPU is not ours). Figures: the
+The pages come from a server in another process, niced (its CPU is not ours). Figures: the
 Observer's CPU seconds per round, and so its share of one core at the default 30 s
 interval (the target: under 20%); the process's RSS (under 250 MiB); and one
 reconcile's latency with the observation's snapshot against observation off (None),
@@ -52,9 +52,13 @@ from tests.operator.unit.test_reconcile import CTX, NOW, FakeGateway, body
 CACHES, PODS_PER_CACHE, ROUNDS = 50, 20, 3
 INTERVAL = ObserveSettings().interval
 PAGE = ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-gpu-direct-b-loaded.txt"
+# The pods' pages: a server in another process, niced, as it stands for other machines
+# (on a shared 2-core machine it would otherwise take the webhook's CPU, which in a
+# cluster it does not).
 SERVER = """
-import sys
+import os, sys
 from aiohttp import web
+os.nice(10)
 page = open(sys.argv[1]).read()
 async def serve(request):
     return web.Response(text=page)
@@ -215,8 +219,8 @@ def admission_on_off(page_port: int) -> None:
         rounds_seen = server.counts[1]
     load_after = os.getloadavg()
     print(f"same run, {ADMISSION_ROUNDS} alternating rounds each of observation off and on "
-          f"({rounds_seen} observation rounds of {CACHES * PODS_PER_CACHE} pods ran back to "
-          "back in the worker process during the 'on' rounds, the worst case); load "
+          f"(an observation round of {CACHES * PODS_PER_CACHE} pods under way throughout each "
+          f"'on' round, rounds back to back, the worst case; {rounds_seen} finished); load "
           f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
           f"{os.cpu_count()} cores")
     pooled = {on: [x for r in admissions[on] for x in r] for on in (False, True)}

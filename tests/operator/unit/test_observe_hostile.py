@@ -245,3 +245,39 @@ async def test_a_round_past_its_deadline_kills_the_reading_process(monkeypatch):
     finally:
         observer.reading.close()
         await runner.cleanup()
+
+
+PARENT = """
+import asyncio, os, sys
+from kvtier_operator.observe.reading_process import ReadingProcess
+reading = ReadingProcess()
+asyncio.run(reading.start())
+print(reading.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_the_reading_process_ends_when_the_operator_is_killed():
+    """An operator killed without closing its reading process (OOM, SIGKILL) leaves no
+    worker behind: the worker sees its parent gone and exits."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())
+        assert _alive(worker)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the reading process outlived the operator"
+    finally:
+        parent.kill()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
