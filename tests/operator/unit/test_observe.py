@@ -364,7 +364,7 @@ def test_a_block_file_refused_on_load_is_a_failed_load():
     assert f.counters[("loads", "storage")] == 6
 
 
-@pytest.mark.parametrize("version", ["0.32"])
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
 def test_the_volume_s_load_time_behind_a_cpu_tier_is_its_promotions(version):
     """A second server on the same volume, its CPU tier empty: vLLM promotes the prompt's
     blocks from kvtier's storage tier into the CPU tier. The storage tier's load time is
@@ -394,7 +394,7 @@ def test_the_volume_s_load_time_behind_a_cpu_tier_is_its_promotions(version):
            "computing 1.0 us" in out.advice.message
 
 
-@pytest.mark.parametrize("version", ["0.32"])
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
 def test_requests_that_skipped_a_slow_volume_are_counted_and_advised(version):
     """A GPU-direct server on a slow volume (every stat and open of a block file 1.5 s)
     that holds 24 prompts' blocks: after four warm-up prompts, each of the 24 recomputes
