@@ -6,7 +6,8 @@ The reads themselves (HTTP, parsing, the engines' readers: reads.py) run in a pr
 their own (reading_process.py), bounded there: at most `concurrency` reads at once, each
 with its own deadline and body and series caps, and the round as a whole with a deadline.
 Only each pod's small figures come back to this loop, where kopf's handlers and the
-admission webhook run; folding them into the window yields to the loop as it goes. A
+admission webhook run, each packed on its own; unpacking and folding them into the
+window yields to the loop every FOLD_BATCH pods. A
 slow or hostile pod costs its own read only: reconciles never wait for the loop, and the
 other pods' reads go on.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.observe.reading_process import ReadingProcess
-from kvtier_operator.observe.reads import ReadJob, ReadSettings
+from kvtier_operator.observe.reads import ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
 log = logging.getLogger("kvtier_operator.observe")
@@ -84,7 +85,7 @@ class CacheObservation:
 
 
 # Pods folded into the window between two yields to the event loop.
-FOLD_BATCH = 50
+FOLD_BATCH = 25
 
 
 @dataclass
@@ -114,9 +115,10 @@ class Observer:
             by_cache[(cache.namespace, cache.cache)] = CacheObservation(
                 window=WindowSum(), pods_read=0, pods_unreadable=0, problems=[],
                 observed_at=now_iso, reads=True, pods_selected=len(cache.pods))
-        for n, ((cache, target), result) in enumerate(zip(pairs, results, strict=True)):
+        for n, ((cache, target), packed) in enumerate(zip(pairs, results, strict=True)):
             if n and n % FOLD_BATCH == 0:
                 await asyncio.sleep(0)  # let admissions and handlers in
+            result = unpack(packed)
             obs = by_cache[(cache.namespace, cache.cache)]
             key = (cache.namespace, f"{target.pod}/{target.uid}")
             seen.add(key)

@@ -6,7 +6,8 @@ readers): on the operator's own loop it made admissions measurably slower while 
 ran (benchmarks/observe.py). Here it runs in one worker process of a
 concurrent.futures.ProcessPoolExecutor (started with "spawn": the operator's process has
 threads, which fork would copy mid-state; at a lower CPU priority, so that on a busy node
-the webhook and the handlers come first). What comes back is one small ReadResult per pod.
+the webhook and the handlers come first). What comes back is one small ReadResult per pod,
+packed on its own (reads.read_round).
 
 Bounded like everything read from pods: each pod's read has its deadline and caps inside
 the worker, and the round as a whole has one here (`round_deadline`). A worker that
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from kvtier_operator.observe.reads import ReadJob, ReadResult, ReadSettings, read_round
+from kvtier_operator.observe.reads import ReadJob, ReadResult, ReadSettings, pack, read_round
 
 log = logging.getLogger("kvtier_operator.observe")
 NICENESS = 10  # the worker's, added to the operator's
@@ -87,12 +88,13 @@ class ReadingProcess:
             self._pool = pool
         return self._pool
 
-    async def read(self, jobs: Sequence[ReadJob], settings: ReadSettings) -> list[ReadResult]:
-        """Every job's result, in order; a failed worker's round: each job's problem."""
+    async def read(self, jobs: Sequence[ReadJob], settings: ReadSettings) -> list[bytes]:
+        """Every job's result, in order, packed (reads.unpack); a failed worker's round:
+        each job's problem."""
         if not jobs:
             return []
         deadline = round_deadline(len(jobs), settings)
-        future: Future[list[ReadResult]] | None = None
+        future: Future[list[bytes]] | None = None
         try:
             pool = await self.start()
             future = pool.submit(read_round, list(jobs), settings)
@@ -104,7 +106,7 @@ class ReadingProcess:
             why = f"the observation's reading process failed ({err!r}); it was restarted"
         log.warning("%s", why)
         self.close()
-        return [ReadResult(problem=why) for _ in jobs]
+        return [pack(ReadResult(problem=why))] * len(jobs)
 
     def close(self) -> None:
         """Stop the worker now (a round in flight ends with it)."""

@@ -4,8 +4,8 @@ parse it and turn it into the engine's figures, bounded.
 This is the CPU-bound half of observing (HTTP, prometheus_client's parser, the engines'
 readers). The operator runs it in a process of its own (reading_process.py), so that
 what comes back to its event loop, where kopf's handlers and the admission webhook run,
-is one small `ReadResult` per pod. `read_round` is that process's entry point; `read_all`
-the same reads on the caller's loop.
+is one small `ReadResult` per pod, packed on its own. `read_round` is that process's entry
+point; `read_all` the same reads on the caller's loop.
 
 Bounded: at most `concurrency` reads at once, each with its own deadline and body and
 series caps; pages are parsed on a thread of their own, so a large page never holds up
@@ -15,6 +15,7 @@ the other pods' reads (their deadlines keep running while they wait for the loop
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -114,6 +115,21 @@ async def read_all(jobs: Sequence[ReadJob], settings: ReadSettings) -> list[Read
             for r in done]
 
 
-def read_round(jobs: Sequence[ReadJob], settings: ReadSettings) -> list[ReadResult]:
-    """read_all on a loop of its own: the reading process's entry point."""
-    return asyncio.run(read_all(jobs, settings))
+def read_round(jobs: Sequence[ReadJob], settings: ReadSettings) -> list[bytes]:
+    """read_all on a loop of its own, each result packed on its own: the reading
+    process's entry point. The operator unpacks them one by one between turns of its
+    event loop (`unpack`); one pickle of the whole round would be unpacked in one go,
+    holding the GIL for tens of milliseconds (more on a busy node) while admissions wait."""
+    return [pack(result) for result in asyncio.run(read_all(jobs, settings))]
+
+
+def pack(result: ReadResult) -> bytes:
+    return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(packed: bytes) -> ReadResult:
+    """A result the operator's own reading process packed (never bytes from a pod)."""
+    result = pickle.loads(packed)  # our worker's output, never a pod's bytes
+    if not isinstance(result, ReadResult):
+        raise TypeError(f"the reading process sent a {type(result).__name__}")
+    return result

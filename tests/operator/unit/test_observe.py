@@ -451,3 +451,18 @@ def test_a_tier_skipped_by_few_requests_is_no_advice():
     assert advice(4.0, 20.0).reason != "TierSkipped"  # 20%: not over
     assert advice(5.0, 19.0).reason != "TierSkipped"  # too few requests to judge
     assert advice(5.0, 20.0).reason == "TierSkipped"
+
+
+def test_a_pod_s_figures_come_back_from_the_reading_process_whole():
+    """The reading process packs each pod's result on its own (the operator unpacks them
+    between turns of its loop); anything else it might send is refused."""
+    import pickle
+
+    from kvtier_operator.observe.reads import ReadResult, pack, unpack
+
+    figures = read(page("vllm-0.32-gpu-direct-b-loaded.txt"), GPU_DIRECT)
+    back = unpack(pack(ReadResult(figures)))
+    assert back.figures == figures and back.problem is None
+    assert unpack(pack(ReadResult(problem="port closed"))).problem == "port closed"
+    with pytest.raises(TypeError, match="sent a dict"):
+        unpack(pickle.dumps({"figures": figures}))
