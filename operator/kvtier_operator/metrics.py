@@ -47,6 +47,9 @@ TIER_LOAD_P99 = Gauge("kvtier_tier_load_latency_p99_seconds",
 TIER_FAILED_LOADS = Gauge("kvtier_tier_failed_loads",
                           "Loads from the tier that failed and were recomputed, over the window",
                           TIER_LABELS)
+TIER_SKIPPED = Gauge("kvtier_tier_skipped_requests",
+                     "Requests that recomputed rather than wait for or load the tier, over "
+                     "the window", TIER_LABELS)
 TIER_USED = Gauge("kvtier_tier_used_percent", "Tier use, % of capacity", TIER_LABELS)
 TIER_CAPACITY = Gauge("kvtier_tier_capacity_bytes", "Tier capacity per pod, bytes",
                       TIER_LABELS)
@@ -80,5 +83,6 @@ def export_tiers(cache: tuple[str, str], status: TieredPrefixCacheStatus) -> Non
         latency = tier.load_latency
         _set(TIER_LOAD_P50, labels, latency.p50_seconds if latency else None)
         _set(TIER_LOAD_P99, labels, latency.p99_seconds if latency else None)
+        _set(TIER_SKIPPED, labels, tier.skipped.requests if tier.skipped else None)
     _set(RECOMPUTE, cache, status.recompute.percent if status.recompute else None)
     _set(HIT, cache, status.hit_percent)

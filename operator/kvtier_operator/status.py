@@ -19,6 +19,7 @@ from kvtier_operator.api.v1alpha1 import (
     LatencyStatus,
     ObservationStatus,
     RecomputeStatus,
+    SkippedStatus,
     TieredPrefixCache,
     TieredPrefixCacheStatus,
     TierStatus,
@@ -245,6 +246,8 @@ FAILING_LOADS_PERCENT = 5.0
 MIN_LOADS = 20
 TOO_SMALL_STORAGE_SHARE = 50.0  # % of offloaded hits that came from the volume
 CPU_FULL_PERCENT = 90.0
+SKIPPED_PERCENT = 20.0  # of the requests prefilled, before a skipped tier is advice
+MIN_REQUESTS = 20
 
 
 @dataclass
@@ -331,6 +334,7 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
             load_latency=LatencyStatus(p50_seconds=_round(p50), p99_seconds=_round(p99))
             if p50 is not None else None,
             failed_loads=_int(counter("failed_loads")),
+            skipped=_skipped(counter, counter("requests", "")),
             capacity_bytes=_int(gauge("capacity_bytes")),
             capacity_tokens=_int(gauge("capacity_tokens")),
             used_percent=_round(gauge("used_percent", pick=lambda v: sum(v) / len(v))),
@@ -349,6 +353,17 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
     out.advice = _advice(tpc, w, tiers, prompt, last_run)
     return out
+
+
+def _skipped(counter: Callable[[str], float | None], requests: float | None
+             ) -> SkippedStatus | None:
+    total = counter("skipped_requests")
+    if total is None:
+        return None
+    return SkippedStatus(requests=_int(total),
+                         lookup_wait=_int(counter("skipped_requests:lookup-wait")),
+                         load_slower=_int(counter("skipped_requests:load-slower")),
+                         percent=_pct(total, requests))
 
 
 def _round(value: float | None) -> float | None:
@@ -370,6 +385,22 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
     return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
 
 
+def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
+    share = 100.0 * (skipped.requests or 0) / requests
+    why = []
+    if skipped.lookup_wait:
+        why.append(f"{skipped.lookup_wait} because its lookups would have answered after "
+                   "recompute ended (the volume's metadata round trips: a storage class with "
+                   "faster lookups, or more tokens per file, router.blockSize)")
+    if skipped.load_slower:
+        why.append(f"{skipped.load_slower} because loading would have taken longer than "
+                   "recomputing (the volume's read throughput: a faster volume, or no "
+                   "shared tier for this model)")
+    return (f"{skipped.requests} of {int(requests)} requests ({share:.0f}%, over "
+            f"{SKIPPED_PERCENT:g}%) recomputed rather than use the {tier} tier: "
+            + "; ".join(why or ["for a reason this kvtier does not know"]))
+
+
 def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
             prompt: float | None, run: EvictorRun | None) -> Cond:
     by = {t.name: t for t in tiers}
@@ -383,19 +414,28 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
                       f"{100.0 * failed / loads:.1f}% of {int(loads)} loads from the volume "
                       f"failed and were recomputed (over {FAILING_LOADS_PERCENT:g}%); see the "
                       "pods' kvtier_offload_corrupt_files and the volume's health"))
-    first = "cpu" if cpu is not None else "storage"
-    load_time = w.counters.get(("load_time_seconds", first))
-    loaded_hits = w.counters.get(("hit_tokens", first))
+    # The volume's loads: straight into HBM without a CPU tier, promotions into the CPU
+    # tier with one (the engines' readers file either as the storage tier's load time).
+    load_time = w.counters.get(("load_time_seconds", "storage"))
+    loaded_hits = w.counters.get(("hit_tokens", "storage"))
     prefill = w.counters.get(("prefill_seconds", ""))
     computed = w.counters.get(("recomputed_tokens", ""))
-    if first == "storage" and load_time and loaded_hits and prefill and computed:
+    if load_time and loaded_hits and prefill and computed:
         per_load, per_compute = load_time / loaded_hits, prefill / computed
         if per_load > per_compute:
+            into = " into the CPU tier" if cpu is not None else ""
             found.append(("VolumeSlowerThanRecompute",
-                          f"loading from the volume takes {per_load * 1e6:.1f} us per token, "
-                          f"computing {per_compute * 1e6:.1f} us (the engine's prefill time); "
-                          "a faster volume, or fewer tokens per file (router.blockSize), or "
-                          "no shared tier for this model"))
+                          f"loading from the volume{into} takes {per_load * 1e6:.1f} us per "
+                          f"token, computing {per_compute * 1e6:.1f} us (the engine's prefill "
+                          "time); a faster volume, or fewer tokens per file "
+                          "(router.blockSize), or no shared tier for this model"))
+    requests = w.counters.get(("requests", ""))
+    for tier in tiers:
+        skipped = tier.skipped
+        if skipped is None or not skipped.requests or not requests or \
+                requests < MIN_REQUESTS or 100.0 * skipped.requests / requests <= SKIPPED_PERCENT:
+            continue
+        found.append(("TierSkipped", _skipped_advice(tier.name, skipped, requests)))
     if cpu is not None and storage is not None and cpu.hit_tokens is not None and \
             storage.hit_tokens and prompt:
         share = 100.0 * storage.hit_tokens / (storage.hit_tokens + cpu.hit_tokens)

@@ -30,13 +30,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_transfer_config(root: Path) -> dict:
+def kv_transfer_config(root: Path, **extra_config: object) -> dict:
+    """The GPU-direct config the operator renders, on root (extra_config: more or other
+    kv_connector_extra_config, e.g. recompute_bound=True)."""
     from kvtier_operator.render.connector import kv_transfer_config as rendered_config
 
     rendered = rendered_config(gpu_direct_tpc())
     extra = rendered["kv_connector_extra_config"] | {
         "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2,
-        "recompute_bound": False}  # see tests/e2e/engine.py's build_llm
+        "recompute_bound": False} | extra_config  # see tests/e2e/engine.py's build_llm
     return rendered | {"kv_connector_extra_config": extra}
 
 
@@ -97,10 +99,12 @@ def tiering_config(root: Path) -> dict:
 
 @contextlib.contextmanager
 def api_server(model: Path, root: Path | None, log: Path, ready_s: float = 420,
-               kv: dict | None = None) -> Iterator[str]:
+               kv: dict | None = None, extra_config: dict | None = None,
+               extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """A running API server (kvtier's GPU-direct spec on root with the env the operator
-    renders for it, or the kv-transfer config kv); yields its base URL. Its output goes
-    to log."""
+    renders for it, extra_config added to its kv_connector_extra_config; or the
+    kv-transfer config kv); yields its base URL. Its output goes to log. extra_env: more
+    environment (the slow-volume shim's LD_PRELOAD and settings)."""
     port = free_port()
     env = {**os.environ, "PYTHONHASHSEED": "7", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_SERVER_DEV_MODE": "1",
@@ -109,8 +113,9 @@ def api_server(model: Path, root: Path | None, log: Path, ready_s: float = 420,
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if kv is None:
         assert root is not None
-        kv = kv_transfer_config(root)
+        kv = kv_transfer_config(root, **(extra_config or {}))
         env |= rendered_env(log.with_suffix(".metrics"))
+    env |= extra_env or {}
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--skip-tokenizer-init",
             "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", "512",

@@ -83,6 +83,7 @@ def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_p
         asyncio.run(observer.observe([cache], NOW))
         b_failed = kvtier_failed_loads(b)
         damaged = observer.snapshot("ml", tpc.name)
+    observer.reading.close()
     obs = clean
     assert obs is not None and obs.pods_read == 2, obs.problems
     status = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=obs,

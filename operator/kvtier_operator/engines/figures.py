@@ -28,6 +28,11 @@ LOADS = "loads"  # load operations
 LOAD_SECONDS = "load_seconds"  # a histogram: one load's latency
 LOAD_TIME = "load_time_seconds"  # a counter: time spent loading from the tier
 PREFILL_SECONDS = "prefill_seconds"  # a counter: time spent in prefill (computing)
+REQUESTS = "requests"  # requests the engine prefilled
+# Requests that recomputed (the rest of) their prefix rather than wait for or load the
+# tier, which would have cost more than recompute (kvtier's recompute bound); the total,
+# and by reason under f"{SKIPPED_REQUESTS}:{reason}".
+SKIPPED_REQUESTS = "skipped_requests"
 # Gauges
 CAPACITY_BYTES = "capacity_bytes"
 CAPACITY_TOKENS = "capacity_tokens"

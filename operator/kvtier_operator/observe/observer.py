@@ -2,10 +2,14 @@
 pod of every valid TieredPrefixCache, off the reconcile path, into an in-memory
 snapshot per cache that reconcile reads (`snapshot`).
 
-Bounded: at most `concurrency` reads at once, each with its own deadline and body and
-series caps, parsing in a thread of its own (not the default executor reconciles use).
-A slow or hostile pod costs its own read only: reconciles never wait for the loop, and
-the other pods' reads go on.
+The reads themselves (HTTP, parsing, the engines' readers: reads.py) run in a process of
+their own (reading_process.py), bounded there: at most `concurrency` reads at once, each
+with its own deadline and body and series caps, and the round as a whole with a deadline.
+Only each pod's small figures come back to this loop, where kopf's handlers and the
+admission webhook run, each packed on its own; unpacking and folding them into the
+window yields to the loop every FOLD_BATCH pods. A
+slow or hostile pod costs its own read only: reconciles never wait for the loop, and the
+other pods' reads go on.
 """
 
 from __future__ import annotations
@@ -14,15 +18,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from kvtier_operator.engines.base import Adapter
-from kvtier_operator.engines.figures import PodFigures
-from kvtier_operator.observe.page import Page, from_prometheus, parse, prometheus_query_url
-from kvtier_operator.observe.scrape import fetch
+from kvtier_operator.observe.reading_process import ReadingProcess
+from kvtier_operator.observe.reads import ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
 log = logging.getLogger("kvtier_operator.observe")
@@ -44,6 +44,12 @@ class ObserveSettings:
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+    @property
+    def reads(self) -> ReadSettings:
+        return ReadSettings(timeout=self.timeout, max_bytes=self.max_bytes,
+                            max_series=self.max_series, concurrency=self.concurrency,
+                            prometheus_url=self.prometheus_url)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,10 @@ class CacheObservation:
     pods_selected: int = 0
 
 
+# Pods folded into the window between two yields to the event loop.
+FOLD_BATCH = 25
+
+
 @dataclass
 class Observer:
     settings: ObserveSettings
@@ -85,77 +95,19 @@ class Observer:
     _histories: dict[tuple[str, str], PodHistory] = field(default_factory=dict)
     _snapshots: dict[tuple[str, str], CacheObservation] = field(default_factory=dict)
     rounds: int = 0
-    _parser: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="kvtier-observe-parse"))
+    reading: ReadingProcess = field(default_factory=ReadingProcess)
 
     def snapshot(self, namespace: str, cache: str) -> CacheObservation | None:
         return self._snapshots.get((namespace, cache))
 
-    async def _read(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore,
-                    target: Target, cache: CacheTargets) -> tuple[PodFigures | None, str | None]:
-        families = cache.adapter.launcher.metric_families
-        if self.settings.prometheus_url:
-            return await self._read_prometheus(session, sem, target, cache, families)
-        if target.url is None:
-            return None, target.problem
-        async with sem:
-            text, problem = await fetch(session, target.url, self.settings.timeout,
-                                        self.settings.max_bytes)
-        if text is None:
-            return None, problem
-        # Its own thread, not the loop's default executor that reconciles run on: a
-        # thousand pages queue here, never in front of a reconcile.
-        page = await asyncio.get_running_loop().run_in_executor(
-            self._parser, parse, text, self.settings.max_series,
-            cache.adapter.launcher.metric_families or None)
-        if page.problem is not None:
-            return None, f"{target.url}: {page.problem}"
-        return self._figures(page, target.url or "", cache)
-
-    async def _read_prometheus(self, session: aiohttp.ClientSession, sem: asyncio.Semaphore,
-                               target: Target, cache: CacheTargets, families: frozenset[str]
-                               ) -> tuple[PodFigures | None, str | None]:
-        assert self.settings.prometheus_url is not None
-        url = prometheus_query_url(self.settings.prometheus_url, cache.namespace, target.pod,
-                                   families)
-        async with sem:
-            text, problem = await fetch(session, url, self.settings.timeout,
-                                        self.settings.max_bytes, accept="application/json")
-        if text is None:
-            return None, f"Prometheus: {problem}"
-        page = await asyncio.get_running_loop().run_in_executor(
-            self._parser, from_prometheus, text, self.settings.max_series)
-        if page.problem is not None:
-            return None, f"Prometheus, pod {target.pod}: {page.problem}"
-        if not page.samples:
-            return None, (f"Prometheus has no series of pod {target.pod} (is it scraped, "
-                          "with namespace and pod labels?)")
-        return self._figures(page, "Prometheus", cache)
-
-    def _figures(self, page: Page, where: str, cache: CacheTargets
-                 ) -> tuple[PodFigures | None, str | None]:
-        figures = cache.adapter.launcher.read_metrics(page.samples, cache.offloaded)
-        if figures is None:
-            return None, None
-        if page.non_finite:
-            figures.missing.setdefault(("non_finite", ""), (
-                f"{page.non_finite} NaN or infinite value(s) from {where}: the figures "
-                "they are part of are left out"))
-        return figures, None
-
     async def observe(self, caches: Iterable[CacheTargets], now_iso: str) -> None:
         """One round over every cache's pods."""
         caches = list(caches)
-        sem = asyncio.Semaphore(max(1, self.settings.concurrency))
-        connector = aiohttp.TCPConnector(limit=max(1, self.settings.concurrency),
-                                         force_close=True)
-        async with aiohttp.ClientSession(connector=connector, trust_env=False,
-                                         auto_decompress=True) as session:
-            jobs = [(cache, target, asyncio.ensure_future(self._read(session, sem, target,
-                                                                     cache)))
-                    for cache in caches for target in cache.pods]
-            if jobs:
-                await asyncio.wait([job for _, _, job in jobs])
+        pairs = [(cache, target) for cache in caches for target in cache.pods]
+        results = await self.reading.read(
+            [ReadJob(cache.namespace, target.pod, target.url, target.problem,
+                     cache.adapter.launcher, cache.offloaded) for cache, target in pairs],
+            self.settings.reads)
         at = self.clock()
         seen: set[tuple[str, str]] = set()
         by_cache: dict[tuple[str, str], CacheObservation] = {}
@@ -163,12 +115,14 @@ class Observer:
             by_cache[(cache.namespace, cache.cache)] = CacheObservation(
                 window=WindowSum(), pods_read=0, pods_unreadable=0, problems=[],
                 observed_at=now_iso, reads=True, pods_selected=len(cache.pods))
-        for cache, target, job in jobs:
+        for n, ((cache, target), packed) in enumerate(zip(pairs, results, strict=True)):
+            if n and n % FOLD_BATCH == 0:
+                await asyncio.sleep(0)  # let admissions and handlers in
+            result = unpack(packed)
             obs = by_cache[(cache.namespace, cache.cache)]
             key = (cache.namespace, f"{target.pod}/{target.uid}")
             seen.add(key)
-            exc = job.exception()
-            figures, problem = (None, f"reading failed: {exc!r}") if exc else job.result()
+            figures, problem = result.figures, result.problem
             if figures is None and problem is None:
                 obs.reads = False
                 continue
@@ -189,10 +143,18 @@ class Observer:
     async def run(self, targets: Callable[[], list[CacheTargets]],
                   now_iso: Callable[[], str]) -> None:
         """Forever: a round, then wait out the interval (measured start to start)."""
-        while True:
-            started = self.clock()
+        try:
             try:
-                await self.observe(targets(), now_iso())
-            except Exception:  # never stop observing for one bad round
-                log.exception("observation round failed")
-            await asyncio.sleep(max(0.0, self.settings.interval - (self.clock() - started)))
+                await self.reading.start()
+            except Exception:  # the first round tries again
+                log.exception("the observation's reading process did not start")
+            while True:
+                started = self.clock()
+                try:
+                    await self.observe(targets(), now_iso())
+                except Exception:  # never stop observing for one bad round
+                    log.exception("observation round failed")
+                await asyncio.sleep(max(0.0, self.settings.interval -
+                                        (self.clock() - started)))
+        finally:
+            self.reading.close()

@@ -362,3 +362,107 @@ def test_a_block_file_refused_on_load_is_a_failed_load():
     f = read(parse(text, 20000).samples, ("cpu", "storage"))
     assert f.counters[("failed_loads", "storage")] == 1
     assert f.counters[("loads", "storage")] == 6
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_the_volume_s_load_time_behind_a_cpu_tier_is_its_promotions(version):
+    """A second server on the same volume, its CPU tier empty: vLLM promotes the prompt's
+    blocks from kvtier's storage tier into the CPU tier. The storage tier's load time is
+    vLLM's tiering read time for tier 1 (the first behind the CPU tier), and the advice
+    "volume slower than recompute" weighs it against the engine's prefill time."""
+    tpc = parse_tpc(body())  # cpu and storage
+    tiers = ("cpu", "storage")
+    idle, loaded = (page(f"vllm-{version}-cpu-storage-u-{n}.txt") for n in ("idle", "loaded"))
+    f = read(loaded, tiers)
+    promoted = sum(v for labels, v in loaded["vllm:kv_offload_tiering_read_time_total"]
+                   if labels["tier"].startswith("1:"))
+    assert f.counters[("load_time_seconds", "storage")] == promoted > 0
+    assert f.counters[("hit_tokens", "storage")] == 192  # source "disk": the volume's
+    obs = observation(idle, loaded, offloaded=tiers)
+    out = observed_tiers(tpc, tiers, obs, None, enabled=True)
+    by = {t.name: t for t in out.tiers}
+    assert by["storage"].hit_tokens == 192 and by["cpu"].hit_tokens == 0
+    # this tiny model's prefill (a few ms a token) is slower than the volume: no advice
+    assert out.advice.reason != "VolumeSlowerThanRecompute"
+    # an engine that computes a token in a microsecond: the same volume is slower
+    computed = obs.window.counters[("recomputed_tokens", "")]
+    obs.window.counters[("prefill_seconds", "")] = computed * 1e-6
+    out = observed_tiers(tpc, tiers, obs, None, enabled=True)
+    per_token = promoted / 192 * 1e6
+    assert out.advice.reason == "VolumeSlowerThanRecompute", out.advice
+    assert f"loading from the volume into the CPU tier takes {per_token:.1f} us per token, " \
+           "computing 1.0 us" in out.advice.message
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_requests_that_skipped_a_slow_volume_are_counted_and_advised(version):
+    """A GPU-direct server on a slow volume (every stat and open of a block file 1.5 s)
+    that holds 24 prompts' blocks: after four warm-up prompts, each of the 24 recomputes
+    rather than wait (lookup-wait) or load (load-slower), as kvtier's recompute bound
+    decides; status.tiers[storage].skipped counts them, and the advice names the counts
+    and the fix."""
+    idle, skipped = (page(f"vllm-{version}-gpu-direct-s-{n}.txt") for n in ("idle", "skipped"))
+    said = {labels["reason"]: v for labels, v in skipped["kvtier_offload_tier_skipped_total"]}
+    requests = sum(v for _, v in skipped["vllm:request_prefill_time_seconds_count"])
+    assert "kvtier_offload_tier_skipped_total" not in idle  # none before the first skip
+    f = read(idle, GPU_DIRECT)
+    assert ("skipped_requests", "storage") not in f.counters  # absent, not a zero
+    obs = observation(idle, skipped)
+    out = observed_tiers(gpu_direct_tpc(), GPU_DIRECT, obs, None, enabled=True)
+    storage = {t.name: t for t in out.tiers}["storage"]
+    total = int(sum(said.values()))
+    assert storage.skipped is not None and storage.skipped.requests == total >= 20
+    assert storage.skipped.lookup_wait == said.get("lookup-wait", 0)
+    assert storage.skipped.load_slower == said.get("load-slower", 0)
+    assert storage.skipped.percent == round(100 * total / requests, 2)
+    assert out.advice.reason == "TierSkipped", out.advice
+    assert f"{total} of {int(requests)} requests" in out.advice.message
+    assert "recomputed rather than use the storage tier" in out.advice.message
+    if said.get("load-slower"):
+        assert "a faster volume" in out.advice.message
+    if said.get("lookup-wait"):
+        assert "faster lookups" in out.advice.message
+    # the gauge carries it; a tier without the figure has no sample
+    metrics.export_tiers(("ml", "skips"), reconcile(
+        body({"cpu": None}), FakeGateway(), CTX, [], [], NOW, observed=obs,
+        observing=True).status)
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("kvtier_tier_skipped_requests", {
+        "namespace": "ml", "cache": "skips", "tier": "storage"}) == total
+    assert REGISTRY.get_sample_value("kvtier_tier_skipped_requests", {
+        "namespace": "ml", "cache": "skips", "tier": "gpu"}) is None
+
+
+def test_a_tier_skipped_by_few_requests_is_no_advice():
+    """Under 20% of the requests, or fewer than 20 requests: counted, not advice."""
+    tpc = gpu_direct_tpc()
+
+    def advice(skipped, requests):
+        w = WindowSum(counters={("prompt_tokens", ""): 5000.0,
+                                ("recomputed_tokens", ""): 5000.0,
+                                ("requests", ""): requests,
+                                ("skipped_requests", "storage"): skipped,
+                                ("skipped_requests:load-slower", "storage"): skipped},
+                      pods_with_steps=1)
+        obs = CacheObservation(window=w, pods_read=1, pods_unreadable=0, problems=[],
+                               observed_at=NOW, reads=True, pods_selected=1)
+        return observed_tiers(tpc, GPU_DIRECT, obs, None, enabled=True).advice
+
+    assert advice(4.0, 20.0).reason != "TierSkipped"  # 20%: not over
+    assert advice(5.0, 19.0).reason != "TierSkipped"  # too few requests to judge
+    assert advice(5.0, 20.0).reason == "TierSkipped"
+
+
+def test_a_pod_s_figures_come_back_from_the_reading_process_whole():
+    """The reading process packs each pod's result on its own (the operator unpacks them
+    between turns of its loop); anything else it might send is refused."""
+    import pickle
+
+    from kvtier_operator.observe.reads import ReadResult, pack, unpack
+
+    figures = read(page("vllm-0.32-gpu-direct-b-loaded.txt"), GPU_DIRECT)
+    back = unpack(pack(ReadResult(figures)))
+    assert back.figures == figures and back.problem is None
+    assert unpack(pack(ReadResult(problem="port closed"))).problem == "port closed"
+    with pytest.raises(TypeError, match="sent a dict"):
+        unpack(pickle.dumps({"figures": figures}))

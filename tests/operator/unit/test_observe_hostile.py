@@ -6,7 +6,10 @@ the webhook run) responsive, reads the good pod, and names each bad one's proble
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -91,6 +94,7 @@ async def test_hostile_endpoints_cost_only_their_own_read():
             await asyncio.to_thread(time.sleep, 0)
             lag = max(lag, time.monotonic() - before - 0.02)
 
+    await observer.reading.start()  # the operator starts it with the loop
     tick = asyncio.create_task(ticker())
     try:
         started = time.monotonic()
@@ -98,6 +102,7 @@ async def test_hostile_endpoints_cost_only_their_own_read():
         took = time.monotonic() - started
     finally:
         tick.cancel()
+        observer.reading.close()
         await runner.cleanup()
     # seven pods, four at a time, each bounded by the 1 s deadline
     assert took < 2 * TIMEOUT + 1.5, took
@@ -160,9 +165,119 @@ async def test_a_prometheus_url_reads_the_same_figures_as_the_pods():
         served["page"] = pages[1]
         await observer.observe([cache], "2026-11-27T00:00:30Z")
     finally:
+        observer.reading.close()
         await runner.cleanup()
     obs = observer.snapshot("ml", "cache")
     assert obs.pods_read == 1 and obs.pods_unreadable == 1
     assert "Prometheus has no series of pod gone" in obs.problems[0]
     status = observed_tiers(tpc, ("storage",), obs, None, enabled=True)
     assert status.tiers[1].hit_percent == 96.0 and status.recompute.percent == 4.0
+
+
+async def _drip_server() -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/drip", drip)
+    app.router.add_get("/good", handler(GOOD))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+async def test_a_reading_process_that_dies_mid_round_is_replaced():
+    """The reads run in a process of their own; if it dies (killed for memory, a crash),
+    the round's pods say so and the next round starts a new one."""
+    runner, base = await _drip_server()
+    tpc = parse_tpc(body({"cpu": None}))
+    cache = CacheTargets("ml", "cache", adapter_for(tpc.spec), ("storage",), (
+        Target("good", "g", f"{base}/good"), Target("drip", "d", f"{base}/drip")))
+    observer = Observer(ObserveSettings(timeout=5.0))
+    try:
+        first = (await observer.reading.start(), observer.reading.pid)[1]
+        assert first is not None and first != os.getpid()
+        round_ = asyncio.create_task(observer.observe([cache], "2026-11-27T00:00:00Z"))
+        await asyncio.sleep(1.0)  # the drip holds the round open
+        os.kill(first, signal.SIGKILL)
+        await asyncio.wait_for(round_, 10)
+        obs = observer.snapshot("ml", "cache")
+        assert obs.pods_read == 0 and obs.pods_unreadable == 2
+        assert "reading process failed" in obs.problems[0] and "restarted" in obs.problems[0]
+        cache = CacheTargets("ml", "cache", cache.adapter, ("storage",), cache.pods[:1])
+        await observer.observe([cache], "2026-11-27T00:00:30Z")
+        assert observer.reading.pid not in (None, first)
+        assert observer.snapshot("ml", "cache").pods_read == 1
+    finally:
+        observer.reading.close()
+        await runner.cleanup()
+
+
+async def test_a_round_past_its_deadline_kills_the_reading_process(monkeypatch):
+    """The round as a whole is bounded here, whatever happens inside the worker."""
+    from kvtier_operator.observe import reading_process
+
+    runner, base = await _drip_server()
+    monkeypatch.setattr(reading_process, "round_deadline", lambda jobs, settings: 1.0)
+    tpc = parse_tpc(body({"cpu": None}))
+    cache = CacheTargets("ml", "cache", adapter_for(tpc.spec), ("storage",), (
+        Target("drip", "d", f"{base}/drip"),))
+    observer = Observer(ObserveSettings(timeout=30.0))
+    try:
+        await observer.reading.start()
+        pid = observer.reading.pid
+        started = time.monotonic()
+        await observer.observe([cache], "2026-11-27T00:00:00Z")
+        assert time.monotonic() - started < 5
+        obs = observer.snapshot("ml", "cache")
+        assert obs.pods_unreadable == 1 and "within 1 s" in obs.problems[0]
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        observer.reading.close()
+        await runner.cleanup()
+
+
+PARENT = """
+import asyncio, os, sys
+from kvtier_operator.observe.reading_process import ReadingProcess
+reading = ReadingProcess()
+asyncio.run(reading.start())
+print(reading.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_the_reading_process_ends_when_the_operator_is_killed():
+    """An operator killed without closing its reading process (OOM, SIGKILL) leaves no
+    worker behind: the worker sees its parent gone and exits."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())
+        assert _alive(worker)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the reading process outlived the operator"
+    finally:
+        parent.kill()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)

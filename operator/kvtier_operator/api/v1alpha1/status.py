@@ -69,6 +69,23 @@ class LatencyStatus(ApiModel):
     p99_seconds: float | None = Field(default=None, description="99th percentile.")
 
 
+class SkippedStatus(ApiModel):
+    """Requests that recomputed (the rest of) their prefix rather than use the tier,
+    because waiting for its lookups or loading from it would have cost more than
+    recomputing (kvtier's recompute bound, GPU-direct mode; the backend's
+    kvtier_offload_tier_skipped), over the window."""
+
+    requests: int | None = Field(default=None, description="Requests that skipped the tier.")
+    lookup_wait: int | None = Field(
+        default=None, description="Of those, the tier's lookups would have answered after "
+        "recompute ends (reason lookup-wait).")
+    load_slower: int | None = Field(
+        default=None, description="Of those, loading would have taken longer than "
+        "recomputing (reason load-slower).")
+    percent: float | None = Field(
+        default=None, description="Share of the requests the engine prefilled, %.")
+
+
 class TierStatus(ApiModel):
     """What one tier delivered over the window, from the selected pods' metrics. A figure
     the pods do not export is left out and `unobserved` says why: never a zero."""
@@ -85,6 +102,9 @@ class TierStatus(ApiModel):
         default=None, description="One load's latency, where the engine exports a histogram.")
     failed_loads: int | None = Field(
         default=None, description="Loads that failed and were recomputed.")
+    skipped: SkippedStatus | None = Field(
+        default=None, description="Requests that recomputed rather than wait for or load "
+        "this tier, where the backend counts them (kvtier's tiers in GPU-direct mode).")
     capacity_bytes: int | None = Field(default=None, description="Capacity per pod, bytes.")
     capacity_tokens: int | None = Field(default=None, description="Capacity per pod, tokens.")
     used_percent: float | None = Field(default=None, description="Use, % of capacity.")

@@ -6,10 +6,16 @@ real API servers, tests/fixtures/metrics/).
   `vllm:prefix_cache_hits` (HBM) and `vllm:external_prefix_cache_hits` (the connector);
   computed ones: `vllm:prompt_tokens_by_source{source="local_compute"}`.
 - Bytes between HBM and the first offloaded medium: `vllm:kv_offload_load_bytes` and
-  `_store_bytes` (the CPU tier where there is one, else the files).
+  `_store_bytes` (the CPU tier where there is one, else the files), and the time spent
+  loading from it, `vllm:kv_offload_load_time`.
+- Under vLLM's TieringOffloadingSpec (a CPU tier with tiers behind it), each secondary
+  tier's loads are promotions into the CPU tier: `vllm:kv_offload_tiering_read_time` and
+  `_read_bytes`, labelled `tier="<index>:<class>"`, index 1 the first tier behind the CPU
+  tier, in the order the operator renders them (the spec's offloaded tiers after cpu).
 - kvtier's backend (the files): `kvtier_offload_bytes`, `_operations` (failed loads:
   any load outcome but ok, and `_corrupt_files`: files refused on load),
-  `_latency_seconds` (load p50/p99). They reach /metrics
+  `_latency_seconds` (load p50/p99), `_tier_skipped` (requests that recomputed rather than
+  wait for or load the tier, by reason; the series appears at the first skip). They reach /metrics
   through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec,
   and in GPU-direct mode through prometheus-client's multiprocess directory that kvtier
   renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
@@ -36,6 +42,8 @@ from kvtier_operator.engines.figures import (
     PREFILL_SECONDS,
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
+    REQUESTS,
+    SKIPPED_REQUESTS,
     USED_PERCENT,
     Labels,
     PodFigures,
@@ -58,6 +66,7 @@ KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direc
                     "injected by an older kvtier lacks it: restart it; one that sets it "
                     "itself must point it at an empty directory)")
 CONFIG_INFO = "vllm:kv_offload_config_info"
+TIERING_READ_TIME = "vllm:kv_offload_tiering_read_time"
 CPU_INFO_LABELS = ("cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes",
                    "cpu_kv_cache_size_tokens")
 # Every family read below (the observer parses only these).
@@ -66,9 +75,10 @@ FAMILIES = frozenset({
     "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
     "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
-    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config",
+    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME,
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
     "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
+    "kvtier_offload_tier_skipped",
 })
 
 
@@ -88,7 +98,11 @@ def read(samples: Samples, offloaded: tuple[str, ...]) -> PodFigures:
             put(f, key, total(samples, f"{name}_total"),
                 f"{name} is not on the page (vLLM creates it at the first transfer; "
                 "none yet, or no offloading connector on this pod)")
+    if first == "cpu":
+        _promotions(f, samples, offloaded)
     put(f, (PREFILL_SECONDS, ""), total(samples, "vllm:request_prefill_time_seconds_sum"),
+        "vllm:request_prefill_time_seconds is absent")
+    put(f, (REQUESTS, ""), total(samples, "vllm:request_prefill_time_seconds_count"),
         "vllm:request_prefill_time_seconds is absent")
     _kvtier(f, samples, offloaded)
     _capacity(f, samples, offloaded)
@@ -120,6 +134,21 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     if external is not None and offloaded:
         tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
         f.counters[(HIT_TOKENS, tier)] = external
+
+
+def _promotions(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
+    """Each tier behind the CPU tier: the time vLLM spent promoting blocks from it (its
+    loads), for the advice only. vLLM creates the series at a tier's first promotion:
+    until then (or where a value is not finite) the figure is absent, never a zero."""
+    times: dict[str, float] = {}
+    for labels, value in samples.get(f"{TIERING_READ_TIME}_total", ()):
+        index, _, _ = labels.get("tier", "").partition(":")
+        if index.isdigit() and 0 < int(index) < len(offloaded):
+            tier = offloaded[int(index)]
+            times[tier] = times.get(tier, 0.0) + value
+    for tier, seconds in times.items():
+        if math.isfinite(seconds):
+            f.counters[(LOAD_TIME, tier)] = seconds
 
 
 def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
@@ -164,6 +193,13 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     failed = sum(v for k, v in outcomes.items() if k != "ok") + refused
     f.counters[(FAILED_LOADS, tier)] = failed
     f.counters[(LOADS, tier)] = outcomes.get("ok", 0.0) + failed
+    # The recompute bound's skips (GPU-direct mode): absent until the first, so absent is
+    # no figure, not a zero (a backend without the bound never creates the series).
+    skipped = by_label(samples, "kvtier_offload_tier_skipped_total", "reason")
+    if skipped and all(math.isfinite(v) for v in skipped.values()):
+        f.counters[(SKIPPED_REQUESTS, tier)] = sum(skipped.values())
+        for reason, count in skipped.items():
+            f.counters[(f"{SKIPPED_REQUESTS}:{reason}", tier)] = count
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
         f.histograms[(LOAD_SECONDS, tier)] = hist
