@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from kvtier_operator.admission import Outcome, admit
 from kvtier_operator.cache_registry import CacheRegistry
 from kvtier_operator.context import RenderContext
+from kvtier_operator.worker_process import init_worker
 
 log = logging.getLogger("kvtier_operator.webhook")
 BUSY_LOG_INTERVAL = 60.0  # seconds between "busy" warnings (each counts the 503s since)
@@ -55,19 +55,12 @@ class LaneLimits:
 WORKER_NICENESS = 10  # the bulk worker yields the CPU to the event loop's process
 
 
-def _lower_priority(increment: int) -> None:
-    try:
-        os.nice(increment)
-    except OSError:
-        pass  # not permitted here: run at the same priority
-
-
 def spawn_pool(workers: int) -> Executor:
     """Worker processes started fresh (spawn): the operator process runs threads (kopf,
     the API client), which fork would copy in whatever state they were in. They run at a
     lower CPU priority, so on a small node a large admission slows the small ones less."""
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_lower_priority, initargs=(WORKER_NICENESS,))
+                               initializer=init_worker, initargs=(WORKER_NICENESS,))
 
 
 def _ready() -> bool:

@@ -23,36 +23,17 @@ import math
 import multiprocessing
 import os
 import signal
-import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from kvtier_operator.observe.reads import ReadJob, ReadResult, ReadSettings, pack, read_round
+from kvtier_operator.worker_process import init_worker
 
 log = logging.getLogger("kvtier_operator.observe")
 NICENESS = 10  # the worker's, added to the operator's
 START_SECONDS = 60.0  # a new worker's start (imports) on a busy node
 SLACK_SECONDS = 30.0  # parsing and the readers, beyond the reads' own deadlines
-PARENT_CHECK_SECONDS = 1.0
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_CHECK_SECONDS)
-    os._exit(0)  # the operator is gone (killed): nobody reads what this would send
-
-
-def _init_worker() -> None:
-    """In the worker: a lower CPU priority, and an exit when the operator dies without
-    closing it (the pool's queues hold both pipe ends here, so no EOF would tell)."""
-    try:
-        os.nice(NICENESS)
-    except OSError:  # not allowed here: run at the operator's priority
-        pass
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True,
-                     name="kvtier-observe-parent").start()
 
 
 def round_deadline(jobs: int, settings: ReadSettings) -> float:
@@ -78,7 +59,7 @@ class ReadingProcess:
         if self._pool is None:
             pool = ProcessPoolExecutor(max_workers=1,
                                        mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_init_worker)
+                                       initializer=init_worker, initargs=(NICENESS,))
             try:
                 self._pid = await asyncio.wait_for(
                     asyncio.wrap_future(pool.submit(os.getpid)), START_SECONDS)

@@ -247,7 +247,7 @@ async def test_a_round_past_its_deadline_kills_the_reading_process(monkeypatch):
         await runner.cleanup()
 
 
-PARENT = """
+READING_PARENT = """
 import asyncio, os, sys
 from kvtier_operator.observe.reading_process import ReadingProcess
 reading = ReadingProcess()
@@ -255,17 +255,27 @@ asyncio.run(reading.start())
 print(reading.pid, flush=True)
 sys.stdin.read()  # until killed
 """
+ADMISSION_PARENT = """
+import os, sys
+from kvtier_operator.admission_lanes import spawn_pool
+pool = spawn_pool(1)
+print(pool.submit(os.getpid).result(60), flush=True)
+sys.stdin.read()  # until killed
+"""
 
 
-def test_the_reading_process_ends_when_the_operator_is_killed():
-    """An operator killed without closing its reading process (OOM, SIGKILL) leaves no
-    worker behind: the worker sees its parent gone and exits."""
+@pytest.mark.parametrize("parent_code", [READING_PARENT, ADMISSION_PARENT],
+                         ids=["reading-process", "admission-lane"])
+def test_worker_processes_end_when_the_operator_is_killed(parent_code):
+    """An operator killed without closing its worker pools (OOM, SIGKILL) leaves no
+    worker behind: the observation's reading process and the admission lanes' workers
+    see their parent gone and exit (worker_process.init_worker)."""
     import subprocess
     import sys
 
     from tests.helpers import ROOT
 
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, text=True,
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=ROOT, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     worker = None
     try:
@@ -276,7 +286,7 @@ def test_the_reading_process_ends_when_the_operator_is_killed():
         deadline = time.monotonic() + 10
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(worker), "the reading process outlived the operator"
+        assert not _alive(worker), "a worker process outlived the operator"
     finally:
         parent.kill()
         if worker is not None and _alive(worker):
