@@ -213,6 +213,12 @@ class Adapter(ABC):
                     f"is {spec.engine_version}: raise it or remove {a.by}")
         return None
 
+    def container_conflict(self, spec: TieredPrefixCacheSpec,
+                           container: dict[str, Any]) -> str | None:
+        """Why the engine as this container starts it cannot run what the spec renders
+        (a flag in its command line that the rendered config contradicts); None: fine."""
+        return None
+
     def version_conflict(self, spec: TieredPrefixCacheSpec,
                          container: dict[str, Any]) -> str | None:
         """Why the engine in this container cannot have what the spec asks for: its

@@ -415,6 +415,9 @@ def _inject_copy(plan: PodPlan, pod: dict[str, Any], out: dict[str, Any], digest
         version = adapter.version_conflict(plan.tpc.spec, container)
         if version:
             conflicts.append(version)
+        contradicted = adapter.container_conflict(plan.tpc.spec, container)
+        if contradicted:
+            conflicts.append(contradicted)
         own = adapter.launcher.own_offload_flags(command_line(container))
         if own:
             conflicts.append(

@@ -111,6 +111,9 @@ def test_base_is_valid_and_defaults_apply():
          "(spec.storage.hostStagingSize, 268435456 bytes once rounded down to a power of "
          "two) must hold at least 2 files, and one file of 1024 tokens takes 268435968 "
          "bytes of this model's KV (spec.model); lower blockSize to 256 or less"),
+        ({"cpu": None, "storage": {"blockSize": 64, "hostStagingSize": "4Mi"}}, "spec",
+         "one file of 64 tokens takes 16777248 bytes of this model's KV (spec.model); even "
+         "16-token files do not fit: raise hostStagingSize"),
         ({"hashSeed": -1}, "spec.hashSeed", "greater than or equal to 0"),
     ],
 )

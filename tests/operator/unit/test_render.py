@@ -133,6 +133,34 @@ def test_no_cpu_tier_files_hold_about_256_tokens_as_staging_allows(storage, mode
     assert extra["block_size"] == tokens == sizing.direct_file_tokens(t.spec)
 
 
+@pytest.mark.parametrize(("spec", "args", "conflict"), [
+    # GPU-direct files of 256 tokens: --block-size 64 divides them, 96 does not
+    ({"cpu": None}, ["--block-size", "64"], None),
+    ({"cpu": None}, ["--block-size=96"], "--block-size 96, which does not divide the "
+     "256-token files kvtier renders (vLLM would refuse to start): set "
+     "spec.storage.blockSize to a multiple of 96, e.g. 192"),
+    # staging for 64-token files only: a 128-token GPU block cannot divide them
+    ({"cpu": None, "storage": {"hostStagingSize": "256Mi"}}, ["--block-size", "128"],
+     "--block-size 128, which does not divide the 64-token files"),
+    # a CPU tier chained to kvtier's shared tier: storage.blockSize is the file size
+    ({"storage": {"blockSize": 512}}, ["--block-size", "48"], "the 512-token files"),
+    # a CPU tier alone: kvtier renders no block_size; vLLM's own default applies
+    ({"storage": None}, ["--block-size", "48"], None),
+    ({"cpu": None}, [], None),  # vLLM picks the GPU block size: nothing to contradict
+])
+def test_a_gpu_block_size_that_cannot_divide_the_files_is_a_conflict(spec, args, conflict):
+    """vLLM refuses to start where the offloaded block_size is not a multiple of its GPU
+    block size (--block-size, e.g. 64 for FlashMLA): the pod is left as written, with the
+    field to change, instead of an engine that crashes at start."""
+    pod = vllm_pod(args=["Qwen/Qwen3-32B", *args])
+    result = inject(tpc(spec), pod, CTX)
+    if conflict is None:
+        assert result.changed and not result.conflicts, result.conflicts
+    else:
+        assert not result.changed and any(conflict in c for c in result.conflicts), \
+            result.conflicts
+
+
 def test_no_cpu_tier_gives_the_workers_metrics_a_multiprocess_directory_of_the_pods_own():
     """kvtier's stores run in vLLM's worker processes in this mode: PROMETHEUS_MULTIPROC_DIR
     on a writable emptyDir of the pod is what brings their metrics to /metrics (#32)."""

@@ -56,8 +56,7 @@ FILE_OVER_STAGING = (
     "spec.storage.blockSize: without a CPU tier kvtier's pinned staging "
     "(spec.storage.hostStagingSize, {staging} bytes once rounded down to a power of two) "
     "must hold at least {files} files, and one file of {tokens} tokens takes {file} bytes "
-    "of this model's KV (spec.model); lower blockSize to {fits} or less, or raise "
-    "hostStagingSize")
+    "of this model's KV (spec.model); {fix}")
 NO_CPU_TIER_NEEDS_STORAGE = (
     "spec.cpu is required unless kvtier offloads straight from GPU memory to the shared "
     "volume (connector native with storage backend kvtier); add cpu.size, e.g. 100Gi")
@@ -215,6 +214,32 @@ class VllmNative(Adapter):
             workers = sizing.worker_processes(container)
         return sizing.pod_sizing(spec, existing_shm_bytes, workers)
 
+    def file_tokens(self, spec: TieredPrefixCacheSpec) -> int | None:
+        """The block_size kvtier renders (tokens per offloaded file), None where it
+        renders none (a CPU tier alone: vLLM's own default)."""
+        if spec.no_cpu_tier:
+            return sizing.direct_file_tokens(spec)
+        if self._secondary_tiers(spec):
+            return spec.storage.block_tokens if spec.storage is not None \
+                else DEFAULT_FILE_TOKENS
+        return None
+
+    def container_conflict(self, spec: TieredPrefixCacheSpec,
+                           container: dict[str, Any]) -> str | None:
+        # vLLM refuses to start when its offloaded block_size is not a multiple of the
+        # GPU block size (vllm/v1/kv_offload config); say so at admission instead.
+        tokens = self.file_tokens(spec)
+        if tokens is None or len(command_line(container)) > MAX_COMMAND_CHARS:
+            return None
+        gpu = sizing.gpu_block_tokens(container)
+        if gpu is None or tokens % gpu == 0:
+            return None
+        fits = max(gpu, tokens // gpu * gpu)
+        return (f"container {container.get('name')!r} runs vLLM with --block-size {gpu}, "
+                f"which does not divide the {tokens}-token files kvtier renders (vLLM "
+                f"would refuse to start): set spec.storage.blockSize to a multiple of "
+                f"{gpu}, e.g. {fits}")
+
     def sweeps_shm(self, spec: TieredPrefixCacheSpec) -> bool:
         # vLLM's CPU tier is a region in /dev/shm (vllm_offload_*.mmap[.N]).
         return not spec.no_cpu_tier
@@ -271,7 +296,10 @@ def _check_files_fit_staging(spec: TieredPrefixCacheSpec) -> None:
         fits = max(16, (fits // 2) // 16 * 16)
     raise ValueError(FILE_OVER_STAGING.format(
         staging=staged, files=sizing.MIN_STAGED_FILES, tokens=tokens,
-        file=sizing.direct_file_bytes(spec, tokens), fits=fits))
+        file=sizing.direct_file_bytes(spec, tokens),
+        fix=(f"lower blockSize to {fits} or less, or raise hostStagingSize"
+             if sizing.MIN_STAGED_FILES * sizing.direct_file_bytes(spec, fits) <= staged
+             else "even 16-token files do not fit: raise hostStagingSize")))
 
 
 def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:

@@ -108,6 +108,27 @@ def direct_file_tokens(spec: TieredPrefixCacheSpec) -> int:
 _WORD = re.compile(r"[^\s'\"]+")
 
 
+def _words(container: dict[str, Any]) -> list[str]:
+    words: list[str] = []
+    for part in (container.get("command") or []) + (container.get("args") or []):
+        # Words split at whitespace and quotes (sh -c "vllm serve ... -tp 4" included), in
+        # linear time: this runs in the admission webhook on any pod's command line.
+        words += _WORD.findall(str(part))
+    return words
+
+
+def gpu_block_tokens(container: dict[str, Any]) -> int | None:
+    """vLLM's GPU block size (`--block-size N` or `--block-size=N`) in the container's
+    command and args; None where it is not given (vLLM picks it: 16 on most backends)."""
+    words = _words(container)
+    for i, word in enumerate(words):
+        flag, _, inline = word.partition("=")
+        value = inline or (words[i + 1] if i + 1 < len(words) else "")
+        if flag == "--block-size" and re.fullmatch(r"[1-9][0-9]{0,4}", value):
+            return int(value)
+    return None
+
+
 def worker_processes(container: dict[str, Any]) -> int:
     """vLLM worker processes in one model-server container (each pins its own staging):
     its GPUs (any resources limit or request named */gpu), else the product of vLLM's
@@ -117,11 +138,7 @@ def worker_processes(container: dict[str, Any]) -> int:
         for name, value in (resources.get(kind) or {}).items():
             if name.endswith("/gpu") and str(value).isdigit() and int(value) > 0:
                 return int(value)
-    words: list[str] = []
-    for part in (container.get("command") or []) + (container.get("args") or []):
-        # Words split at whitespace and quotes (sh -c "vllm serve ... -tp 4" included), in
-        # linear time: this runs in the admission webhook on any pod's command line.
-        words += _WORD.findall(str(part))
+    words = _words(container)
     sizes = {"tp": 1, "pp": 1, "dp": 1}
     for i, word in enumerate(words):
         flag, _, inline = word.partition("=")
