@@ -9,8 +9,9 @@ descriptors (page_copy.PageAddresses) and has the same signature, so the worker 
 either. PyTorch itself has no batched copy (torch 2.13's Python API and headers hold none),
 and a copy_ per page would cost the engine thread one call per page.
 
-The runtime's signature depends on its major version, which the library's file name
-carries: 12.x takes a failIdx out-parameter before the stream, 13.x does not. A runtime
+The runtime's signature depends on its major version (cudaRuntimeGetVersion): 12.x takes
+a failIdx out-parameter before the stream, 13.x does not. The legacy default stream is
+refused by the runtime for batched copies: the copies run on the worker's own streams. A runtime
 older than 12.8, or none loaded, means no batched copy (the worker then uses kernels).
 Where a device is given, one small copy through the staging and back is checked at
 start-up (the worker's construction, where synchronising is allowed), so a runtime that
@@ -92,7 +93,11 @@ class RuntimeBatchCopy:
         failed_at = ctypes.c_size_t(0)
         if self._fail_index:
             args.append(ctypes.byref(failed_at))
-        args.append(ctypes.c_void_p(self._stream()))
+        stream = self._stream()
+        if not stream:
+            raise RuntimeError("cudaMemcpyBatchAsync needs a stream of its own: the runtime "
+                               "refuses the legacy default stream")
+        args.append(ctypes.c_void_p(stream))
         self.calls += 1
         status = self._fn(*args)
         if status != 0:
@@ -146,10 +151,13 @@ def _round_trips(copy: RuntimeBatchCopy, device: torch.device, pinned: torch.Ten
         return torch.tensor([t.data_ptr() + o for o in offsets], dtype=torch.int64)
 
     try:
-        with torch.cuda.device(device):
+        # On a stream of its own, as the worker's copies run (its store and load streams):
+        # the runtime refuses the legacy default stream for batched copies.
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             copy(at(host, 0, 32), at(there, 32, 0), sizes, True)
             copy(at(there, 32, 0), at(host, 64, 96), sizes, False)
-            torch.cuda.current_stream(device).synchronize()
+            stream.synchronize()
     except RuntimeError as err:
         log.warning("kvtier: cudaMemcpyBatchAsync failed its start-up check: %s", err)
         return False

@@ -140,6 +140,19 @@ def test_a_failed_batch_copy_raises_naming_the_runtime_call():
         copy(buf[:1], buf[1:2], torch.tensor([0]), False)
 
 
+def test_the_legacy_default_stream_is_refused_before_the_runtime_is_called():
+    """The runtime refuses batched copies on the legacy NULL stream: kvtier never asks,
+    and says why (the worker's copies and its start-up check run on streams of its own)."""
+    from kvtier_offload.cudart_copy import RuntimeBatchCopy
+
+    runtime = FakeRuntime()
+    copy = RuntimeBatchCopy(runtime, 13000, lambda: 0)
+    buf = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="refuses the legacy default stream"):
+        copy(buf[:1], buf[1:2], torch.tensor([0]), False)
+    assert runtime.calls == []
+
+
 class _Calls(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
