@@ -28,8 +28,8 @@ from kvtier_operator.engines.registry import adapter_for
 # group for it and is skipped (pool.go:589-607). IPv6 unbracketed, as Go's %s:%s writes it.
 POD_IDENTITY = "{ip}:{port}"
 # At most this many identities a cache (pods x target ports): a larger selection
-# publishes to the first ones (sorted) and the evictor's copies stay bounded (each
-# removal batch is sent once per identity).
+# publishes to the first pods (sorted by address), each with all its ports, and the
+# evictor's copies stay bounded (each removal batch is sent once per identity).
 MAX_EVENT_PODS = 256
 
 
@@ -40,10 +40,11 @@ def publishes_events(tpc: TieredPrefixCache) -> bool:
 
 def event_pod_identities(tpc: TieredPrefixCache, pod_ips: Iterable[str]) -> list[str]:
     """The router identities of the pods at these addresses, one per target port (the
-    InferencePool's, adapter.router_target_ports): sorted, at most MAX_EVENT_PODS."""
+    InferencePool's, adapter.router_target_ports): sorted, at most MAX_EVENT_PODS, and
+    whole pods only (a pod keeps all its ports' names or none)."""
     ports = adapter_for(tpc.spec).router_target_ports(tpc.spec)
-    return sorted({POD_IDENTITY.format(ip=ip, port=port)
-                   for ip in pod_ips for port in ports})[:MAX_EVENT_PODS]
+    pods = sorted(set(pod_ips))[:MAX_EVENT_PODS // max(1, len(ports))]
+    return sorted({POD_IDENTITY.format(ip=ip, port=port) for ip in pods for port in ports})
 
 
 def render_event_pods_configmap(tpc: TieredPrefixCache, pod_ips: Iterable[str]

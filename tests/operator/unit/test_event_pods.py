@@ -61,6 +61,23 @@ def test_the_list_is_bounded():
     assert len(listed(gw)) == MAX_EVENT_PODS
 
 
+def test_the_bound_keeps_whole_pods_with_every_port():
+    """With several target ports the bound counts names, but a pod keeps all its ports'
+    names or none: a pod listed under some ports only would keep stale entries under the
+    others (7 ports: 36 whole pods, 252 names, not 256 names cut inside a pod)."""
+    gw = FakeGateway()
+    ports = [8000 + i for i in range(7)]
+    router = {**PUBLISHING["router"], "targetPorts": ports}
+    pods = [running(f"d-{i}", f"10.2.0.{i}") for i in range(40)]
+    run(gw, body({"router": router}), pods)
+    by_pod: dict[str, set[str]] = {}
+    for line in listed(gw):
+        ip, _, port = line.rpartition(":")
+        by_pod.setdefault(ip, set()).add(port)
+    assert len(by_pod) == MAX_EVENT_PODS // 7
+    assert all(len(p) == 7 for p in by_pod.values()), by_pod
+
+
 def test_the_evictor_reads_it_read_only_at_a_fixed_path():
     gw = FakeGateway()
     run(gw, body(PUBLISHING), [running("decode-0", "10.0.0.2")])
