@@ -51,6 +51,7 @@ SLOW_MODULES = (
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
     "tests/offload/test_vllm_recompute_bound.py",
+    "tests/offload/test_vllm_tier_recompute_bound.py",  # vLLM's tiering manager
     "tests/offload/test_vllm_local_tier.py",
     "tests/offload/test_chained_tiers.py",  # engine processes, the operator's tiers
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses
