@@ -29,7 +29,7 @@ readings it is given.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -171,6 +171,7 @@ class RequestWaits:
         self._clock = clock
         self._requests = requests
         self._waits: OrderedDict[str, RequestWait] = OrderedDict()
+        self.skips: Counter[str] = Counter()  # requests skipped so far, by reason
 
     def get(self, req_id: str) -> RequestWait | None:
         return self._waits.get(req_id)
@@ -225,6 +226,7 @@ class RequestWaits:
         wait.cut = token if wait.cut is None else min(wait.cut, token)
         if wait.reason is None:
             wait.reason = reason
+            self.skips[reason] += 1
             self._skipped(reason)
 
 
