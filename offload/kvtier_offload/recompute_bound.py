@@ -5,7 +5,7 @@ they found costs less than computing those tokens again. The engine's prefill ra
 (`PrefillRate`, measured on the scheduler's side from each step's scheduled tokens and
 duration) prices the recompute; the volume's own figures price the rest: its stat round
 trips (lookup.BackgroundLookup.expected_wait) and its loads (`Rate`, seconds per token of
-finished load jobs; before the first, a round trip per file on each read thread).
+finished load jobs; before the first, LOAD_TRIPS round trips per file on each read thread).
 
 For one request with `at_stake` tokens that the volume may hold (its keys not known to be
 missing), recompute costs R = at_stake x r and a full hit at_stake x l (r, l: seconds per
@@ -28,6 +28,7 @@ readings it is given.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -40,19 +41,33 @@ REASONS = (LOOKUP_WAIT, LOAD_SLOWER)
 
 SLACK = 0.05  # of the recompute time: a wait no request could notice
 WEIGHT = 0.25  # of each new sample in a moving average
+# The engine's recompute cost is the median of this many recent prompt samples: an
+# overestimate would let requests wait longer than recompute takes (the first prefill of
+# an engine is several times its usual cost), an underestimate only skips the tier.
+PREFILL_WINDOW = 5
+# Before any load is measured, a block file's load is priced at this many of the volume's
+# stat round trips (open, read, close each cost one on a network filesystem; a stat is one).
+LOAD_TRIPS = 3
 
 
 class Rate:
-    """Seconds per unit (a token), a moving average of samples (seconds, units)."""
+    """Seconds per unit (a token), a moving average of samples (seconds, units); with a
+    window, the median of the last `window` samples instead (one outlier, such as an
+    engine's first prefill, which pays one-time costs, moves it not at all)."""
 
-    def __init__(self, weight: float = WEIGHT) -> None:
+    def __init__(self, weight: float = WEIGHT, window: int = 0) -> None:
         self._weight = weight
+        self._recent: deque[float] | None = deque(maxlen=window) if window > 0 else None
         self.per_unit: float | None = None
 
     def add(self, seconds: float, units: float) -> None:
         if units <= 0 or seconds < 0:
             return
         sample = seconds / units
+        if self._recent is not None:
+            self._recent.append(sample)
+            self.per_unit = statistics.median(self._recent)
+            return
         self.per_unit = sample if self.per_unit is None else (
             self.per_unit + self._weight * (sample - self.per_unit))
 
@@ -74,8 +89,9 @@ class PrefillRate(Rate):
     MIN_TOKENS = 16
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 min_tokens: int = MIN_TOKENS, weight: float = WEIGHT) -> None:
-        super().__init__(weight)
+                 min_tokens: int = MIN_TOKENS, weight: float = WEIGHT,
+                 window: int = PREFILL_WINDOW) -> None:
+        super().__init__(weight, window)
         self._clock = clock
         self._min_tokens = min_tokens
         self._steps: deque[tuple[float, int, int]] = deque(maxlen=8)
@@ -143,13 +159,14 @@ def load_slower(tokens: int, prefill: Rate, loading: float | None) -> bool:
 
 def load_estimate(tokens: int, load_rate: Rate, round_trip: float | None,
                   tokens_per_key: int, read_threads: int) -> float | None:
-    """The expected seconds to load tokens: at the measured load rate; before any load, a
-    round trip of the volume per file on each read thread; None while neither is known."""
+    """The expected seconds to load tokens: at the measured load rate; before any load,
+    LOAD_TRIPS round trips of the volume per file on each read thread; None while
+    neither is known."""
     measured = load_rate.seconds(tokens)
     if measured is not None or round_trip is None:
         return measured
     files = -(-tokens // max(1, tokens_per_key))
-    return round_trip * -(-files // max(1, read_threads))
+    return LOAD_TRIPS * round_trip * -(-files // max(1, read_threads))
 
 
 class RequestWaits:
@@ -243,8 +260,8 @@ class PromptTimes(Rate):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  min_tokens: int = PrefillRate.MIN_TOKENS, weight: float = WEIGHT,
-                 requests: int = 4096) -> None:
-        super().__init__(weight)
+                 requests: int = 4096, window: int = PREFILL_WINDOW) -> None:
+        super().__init__(weight, window)
         self._clock = clock
         self._min_tokens = min_tokens
         self._requests = requests

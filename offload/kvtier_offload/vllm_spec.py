@@ -269,7 +269,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _load_seconds(self, tokens: int) -> float | None:
         """The expected time to load tokens: at the measured load rate; before any load,
-        a round trip of the volume per file on each of the workers' read threads."""
+        recompute_bound.LOAD_TRIPS round trips of the volume per file on each of the workers'
+        read threads."""
         trips = [t for t in (s.stat_seconds() for s in self.stores) if t is not None]
         return load_estimate(tokens, self.load_rate, max(trips, default=None),
                              self.tokens_per_key, self.read_threads)

@@ -112,8 +112,11 @@ class Delayed(Operations):
 
 def main() -> None:
     source, mountpoint, delay_ms = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    # big_writes: the kernel sends writes of up to 128 KiB, not 4 KiB pages (this process
+    # is the test's, its work per request is not the slowness under test)
     FUSE(Delayed(source, delay_ms / 1000), mountpoint, foreground=True, nothreads=False,
-         allow_other=False, default_permissions=False)
+         allow_other=False, default_permissions=False, big_writes=True,
+         max_write=131072, max_read=131072)
 
 
 if __name__ == "__main__":

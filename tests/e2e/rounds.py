@@ -33,7 +33,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-ROUNDS = 7
+ROUNDS = 11
 FIRST_SEED = 1000  # round n sends prompt FIRST_SEED + n
 LIMIT = 1.05  # the bound: tier on within 5% of tier off
 

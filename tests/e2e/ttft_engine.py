@@ -62,11 +62,14 @@ def kv_config(mode: str, root: str | None) -> Any:
 
     if mode == "off":
         return None
+    # KVTIER_TEST_RECOMPUTE_BOUND=0: the fixed 1 s deadline instead, to watch the
+    # comparisons fail without the bound
+    bound = os.environ.get("KVTIER_TEST_RECOMPUTE_BOUND", "1") != "0"
     if mode == "gpu-direct":
         rendered = kv_transfer_config(parse_tpc(example("native-gpu-direct.yaml")))
         extra = rendered["kv_connector_extra_config"] | {
             "root_dir": root, "n_read_threads": 2, "n_write_threads": 2,
-            "recompute_bound": True}
+            "recompute_bound": bound}
     else:
         rendered = kv_transfer_config(parse_tpc(example("native-kvtier.yaml")))
         extra = dict(rendered["kv_connector_extra_config"])
@@ -80,7 +83,8 @@ def kv_config(mode: str, root: str | None) -> Any:
                   "spec_name": "NoopTieringOffloadingSpec",
                   "spec_module_path": "tests.e2e.noop_cpu_spec",
                   "secondary_tiers": [tier | {"root_dir": root, "n_read_threads": 2,
-                                              "n_write_threads": 2}]}
+                                              "n_write_threads": 2,
+                                              "recompute_bound": bound}]}
     return KVTransferConfig(**(rendered | {"kv_connector_extra_config": extra}))
 
 
@@ -104,6 +108,23 @@ def generate(llm: Any, token_ids: list[int], max_tokens: int = 1) -> tuple[list[
     return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
 
 
+def _bound(llm: Any) -> Any:
+    """The object that holds the recompute bound's rates: tier mode's tier, GPU-direct
+    mode's manager (in process: no multiprocessing)."""
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.get_kv_connector().connector_scheduler.manager
+    tiers = getattr(manager, "secondary_tiers", None)
+    return tiers[0] if tiers else manager
+
+
+def rates(llm: Any, mode: str) -> dict[str, float | None]:
+    """The bound's estimates now: seconds per prompt token to recompute, to load."""
+    if mode == "off":
+        return {}
+    holder = _bound(llm)
+    return {"prefill": holder.prefill.per_unit, "load": holder.load_rate.per_unit}
+
+
 def skipped(llm: Any, mode: str) -> dict[str, float]:
     """kvtier's skips so far, by reason (the bound's own count: in tier mode the metric
     travels in vLLM's stats to an API server this process does not run)."""
@@ -116,10 +137,7 @@ def skipped(llm: Any, mode: str) -> dict[str, float]:
                                                   {"tier": "storage", "reason": reason}) or 0.0
                 for reason in REASONS}
     if mode == "tier":
-        core = llm.llm_engine.engine_core.engine_core  # in process (no multiprocessing)
-        manager = core.scheduler.get_kv_connector().connector_scheduler.manager
-        (tier,) = manager.secondary_tiers
-        return {reason: float(tier.waits.skips[reason]) for reason in REASONS}
+        return {reason: float(_bound(llm).waits.skips[reason]) for reason in REASONS}
     return {}
 
 
@@ -161,7 +179,8 @@ def main() -> None:
         ttft = time.perf_counter() - began
         after = skipped(llm, mode)
         print(json.dumps({"seed": seed, "ttft": ttft, "cached": cached, "tokens": tokens,
-                          "skipped": {k: after[k] - before[k] for k in after}}), flush=True)
+                          "skipped": {k: after[k] - before[k] for k in after},
+                          "rates": rates(llm, mode)}), flush=True)
     # Exit now: lookup threads may still be in a slow volume's stats, which shutdown
     # would wait for; nothing after this is under test.
     os._exit(0)

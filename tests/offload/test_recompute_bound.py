@@ -180,3 +180,27 @@ def test_the_decision_is_the_requests_until_it_finishes():
     assert waits.answer("other", 64, lambda p: True, lambda t: None, lambda: None) is True
     waits.finished("r")
     assert waits.answer("r", 64, lambda p: True, lambda t: None, lambda: None) is True
+
+
+def test_an_engines_costly_first_prefill_does_not_inflate_the_recompute_price():
+    """The first prefill pays one-time costs (here 10x); priced at the median of recent
+    prompts, recompute looks no dearer than it is, so no request waits on that account."""
+    from kvtier_offload.recompute_bound import PromptTimes
+
+    clock = Clock()
+    times = PromptTimes(clock)
+    for n, seconds in enumerate((10.0, 1.0, 1.0)):
+        times.scheduled([f"r{n}"])
+        clock.now += seconds
+        times.stored(f"r{n}", 0, 1000)
+        times.finished(f"r{n}")
+    assert times.seconds(1000) == pytest.approx(1.0)
+
+
+def test_before_any_load_a_file_is_priced_at_a_few_round_trips():
+    from kvtier_offload.recompute_bound import LOAD_TRIPS, load_estimate
+
+    # 8 files of 32 tokens on 2 threads, 10 ms a stat: 4 files each, LOAD_TRIPS trips each
+    assert load_estimate(256, Rate(), 0.01, 32, 2) == pytest.approx(LOAD_TRIPS * 0.04)
+    assert load_estimate(256, prefill_at(0.001), 0.01, 32, 2) == pytest.approx(0.256)
+    assert load_estimate(256, Rate(), None, 32, 2) is None
