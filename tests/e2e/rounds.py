@@ -11,9 +11,13 @@ ratio of two separately taken medians nor of single runs. On a shared 2-core mac
 engine's time to first token moves by tens of percent from one moment to the next (other
 test runs, builds); the two runs of a round are adjacent in time, so a change in load
 mostly hits both and cancels in their ratio, and the median ignores the rounds (up to
-half less one) that a burst hit unevenly. ROUNDS = 7: with the ratio's round-to-round
-spread seen here (about 5-10%), the median of 7 lands within a few percent of the true
-ratio, while the whole comparison costs about ten seconds of prefill.
+half less one) that a burst hit unevenly. ROUNDS = 11: on this machine under a load
+average of 10-30 the rounds' ratios spread over about +-15% (0.60-1.20 seen with the
+bound skipping every time), so the median's own error is about 1.25 x 0.15 / sqrt(11),
+some 5%: a tier that costs a whole recompute or a 1 s deadline (ratio 2 and more) fails
+every time, one within the bound passes nearly always; on a quiet machine the spread and
+the error are several times smaller. The prompts' prefill costs about 0.3 s idle, 1 s
+loaded, so the rounds take 10-25 s.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def engine_off(costly_model) -> Iterator[Engine]:
 
 def stored(model: Path, mode: str, root: Path) -> Path:
     """Every round's prompt written to root by an engine of that mode (its own process)."""
-    writer = Engine(model, mode, root)
+    writer = Engine(model, mode, root, env={"KVTIER_TEST_WRITER": "1"})
     try:
         for seed in seeds():
             assert writer.ask(f"store {seed}", 180)["files"] > 0

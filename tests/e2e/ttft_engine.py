@@ -16,6 +16,10 @@ volume's round trips), then it prints {"ready": true} and answers lines on stdin
                     (never seen by this engine), timed from submission to its first token
     store SEED   -> {"seed", "files"}: the prompt run, then its chunks waited for on ROOT_DIR
     quit
+
+Environment (test knobs, not product settings): KVTIER_TEST_WRITER=1 warms up on
+other prompts (a writer), KVTIER_TEST_RECOMPUTE_BOUND=0 gives the tier its fixed 1 s deadline instead
+of the bound (to watch a comparison fail).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 MAX_MODEL_LEN = 2048
 CPU_TIER_BYTES = 512 << 20  # about 40 prompts of this model: every round's stays
 WARM_UP = (941, 942, 943, 944)
+WRITER_WARM_UP = (951, 952)
 
 
 def make_model(path: str) -> None:
@@ -149,7 +154,11 @@ def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
     root = sys.argv[3] if len(sys.argv) > 3 else None
     llm = build_llm(model, mode, root)
-    for seed in WARM_UP:
+    # A writer (KVTIER_TEST_WRITER=1) warms up on other prompts, so that the volume never
+    # holds the measuring engine's warm-ups: one whose warm-ups were all hits would
+    # compute nothing, and so measure no prefill.
+    writer = os.environ.get("KVTIER_TEST_WRITER", "0") == "1"
+    for seed in WRITER_WARM_UP if writer else WARM_UP:
         generate(llm, prompt(seed))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
