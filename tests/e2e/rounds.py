@@ -28,6 +28,7 @@ import select
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,20 +51,27 @@ class Engine:
         args = [sys.executable, "-m", "tests.e2e.ttft_engine", str(model), mode,
                 *([str(root)] if root else [])]
         self.mode = mode
-        self._stderr = open(os.devnull, "w")
+        self._stderr = tempfile.TemporaryFile("w+")  # closed in close()
         self.proc = subprocess.Popen(
             args, cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env={**os.environ, "PYTHONHASHSEED": "7",
                                       "VLLM_LOGGING_LEVEL": "ERROR", **(env or {})})
         assert self._read(start_seconds) == {"ready": True}
 
+    def _errors(self) -> str:
+        """The end of the engine's stderr, for a failure's message."""
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read()[-3000:]
+
     def _read(self, seconds: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
         while True:
             ready, _, _ = select.select([self.proc.stdout], [], [], seconds)
-            assert ready, f"{self.mode} engine: no answer in {seconds} s"
+            assert ready, f"{self.mode} engine: no answer in {seconds} s\n{self._errors()}"
             line = self.proc.stdout.readline()
-            assert line, f"{self.mode} engine ended (exit {self.proc.poll()})"
+            assert line, (f"{self.mode} engine ended (exit {self.proc.poll()})\n"
+                          f"{self._errors()}")
             if line.startswith("{"):
                 return json.loads(line)
 
