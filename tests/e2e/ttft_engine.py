@@ -24,6 +24,7 @@ of the bound (to watch a comparison fail).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -146,6 +147,18 @@ def skipped(llm: Any, mode: str) -> dict[str, float]:
     return {}
 
 
+def unlink_cpu_region(llm: Any, mode: str) -> None:
+    """Remove the CPU tier's shared-memory file now that the engine has mapped it: this
+    process ends with os._exit (or a test's kill), which never runs vLLM's cleanup, and
+    each file left in /dev/shm holds CPU_TIER_BYTES of the machine's memory."""
+    if mode != "tier":
+        return
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.get_kv_connector().connector_scheduler.manager
+    with contextlib.suppress(OSError, AttributeError):
+        os.unlink(manager.primary_tier._mmap_region.mmap_path)
+
+
 def block_files(root: str) -> int:
     return sum(1 for _ in Path(root).rglob("*.kvb"))
 
@@ -154,6 +167,7 @@ def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
     root = sys.argv[3] if len(sys.argv) > 3 else None
     llm = build_llm(model, mode, root)
+    unlink_cpu_region(llm, mode)
     # A writer (KVTIER_TEST_WRITER=1) warms up on other prompts, so that the volume never
     # holds the measuring engine's warm-ups: one whose warm-ups were all hits would
     # compute nothing, and so measure no prefill.
