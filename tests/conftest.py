@@ -1,7 +1,9 @@
 """Suite-wide fixtures and rules for running the suite in parallel.
 
 The vLLM end-to-end fixtures (a tiny model and its tokens without offloading) are
-session-scoped and shared by tests/e2e and tests/netfs.
+session-scoped and shared by tests/e2e and tests/netfs; so are, module-scoped, the
+recompute-bound comparisons' (tests/e2e/rounds.py: a costlier model, an engine without
+offloading, the rounds' block files).
 
 `make test` runs the suite on one pytest-xdist worker per core (`-n auto --dist
 loadgroup`). Every test that uses the GlusterFS volume (marker `glusterfs` or the
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.fixtures import baseline, model, plain_tokens  # noqa: F401 (fixtures)
+from tests.e2e.rounds import costly_model, engine_off, tier_blocks  # noqa: F401 (fixtures)
 
 GLUSTERFS_GROUP = "glusterfs"
 GLUSTERFS_DIR = "tests/netfs/"
@@ -53,6 +56,7 @@ SLOW_MODULES = (
     "tests/offload/test_vllm_tier.py",
     "tests/offload/test_vllm_recompute.py",
     "tests/offload/test_vllm_recompute_bound.py",
+    "tests/offload/test_vllm_tier_recompute_bound.py",  # vLLM's tiering manager
     "tests/offload/test_vllm_local_tier.py",
     "tests/offload/test_chained_tiers.py",  # engine processes, the operator's tiers
     "tests/offload/test_estale.py",  # compiles an LD_PRELOAD shim, runs subprocesses

@@ -220,17 +220,26 @@ class ObjectStore:
         self._lookups.remember((key,), present)
         self.metrics.lookups.labels("hit" if present else "miss").inc()
 
-    def lookup(self, key: bytes) -> bool | None:
-        """True/False from the cache, or None while a HEAD request runs."""
+    def lookup(self, key: bytes, patient: bool = False) -> bool | None:
+        """True/False from the cache, or None while a HEAD request runs. patient: the
+        caller bounds the wait itself (recompute_bound.py), as with the block store."""
         if not key_fits(key):
             return False
         cached = self._lookups.get(key)
         if cached is not None:
             return cached
-        if self._background.ask(key):
+        if self._background.ask(key, patient):
             return None
         self.metrics.lookups.labels("overdue").inc()
         return False
+
+    def stat_seconds(self) -> float | None:
+        """The store's measured round trip for one HEAD (lookup.BackgroundLookup)."""
+        return self._background.stat_seconds()
+
+    def expected_lookup_wait(self) -> float | None:
+        """How long the HEADs waiting now will take, at the measured round trip."""
+        return self._background.expected_wait()
 
     def forget(self, key: bytes) -> None:
         self._lookups.forget(key)

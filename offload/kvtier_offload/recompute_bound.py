@@ -5,7 +5,7 @@ they found costs less than computing those tokens again. The engine's prefill ra
 (`PrefillRate`, measured on the scheduler's side from each step's scheduled tokens and
 duration) prices the recompute; the volume's own figures price the rest: its stat round
 trips (lookup.BackgroundLookup.expected_wait) and its loads (`Rate`, seconds per token of
-finished load jobs; before the first, a round trip per file on each read thread).
+finished load jobs; before the first, LOAD_TRIPS round trips per file on each read thread).
 
 For one request with `at_stake` tokens that the volume may hold (its keys not known to be
 missing), recompute costs R = at_stake x r and a full hit at_stake x l (r, l: seconds per
@@ -16,16 +16,22 @@ token). Waiting on lookups is worth it only while
 (what the best outcome saves, plus a small slack so that an idle volume's first round
 trip is never refused). Past that, or where loading is not faster than recomputing at
 all (l >= r), the request stops waiting: the prefix the volume already confirmed is
-loaded and the rest recomputed (a partial hit), or nothing is loaded where l >= r. The
-decision is the manager's (vllm_spec.KvtierOffloadingManager); this module only prices.
-Everything here is arithmetic on the clock readings it is given.
+loaded and the rest recomputed (a partial hit), or nothing is loaded where l >= r.
+
+One decision (RequestWaits) for both modes: GPU-direct (vllm_spec.KvtierOffloadingManager,
+its prefill rate fed step by step by kvtier's connector: PrefillRate) and tier mode
+(vllm_tier.KvtierStorageTier and its local and object variants under vLLM's
+TieringOffloadingManager, which never shows a tier the engine's steps: PromptTimes times
+each prompt from the hooks vLLM does call). Everything here is arithmetic on the clock
+readings it is given.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 # Reasons a request recomputed rather than wait for or load the tier (metric label).
@@ -35,19 +41,33 @@ REASONS = (LOOKUP_WAIT, LOAD_SLOWER)
 
 SLACK = 0.05  # of the recompute time: a wait no request could notice
 WEIGHT = 0.25  # of each new sample in a moving average
+# The engine's recompute cost is the median of this many recent prompt samples: an
+# overestimate would let requests wait longer than recompute takes (the first prefill of
+# an engine is several times its usual cost), an underestimate only skips the tier.
+PREFILL_WINDOW = 5
+# Before any load is measured, a block file's load is priced at this many of the volume's
+# stat round trips (open, read, close each cost one on a network filesystem; a stat is one).
+LOAD_TRIPS = 3
 
 
 class Rate:
-    """Seconds per unit (a token), a moving average of samples (seconds, units)."""
+    """Seconds per unit (a token), a moving average of samples (seconds, units); with a
+    window, the median of the last `window` samples instead (one outlier, such as an
+    engine's first prefill, which pays one-time costs, moves it not at all)."""
 
-    def __init__(self, weight: float = WEIGHT) -> None:
+    def __init__(self, weight: float = WEIGHT, window: int = 0) -> None:
         self._weight = weight
+        self._recent: deque[float] | None = deque(maxlen=window) if window > 0 else None
         self.per_unit: float | None = None
 
     def add(self, seconds: float, units: float) -> None:
         if units <= 0 or seconds < 0:
             return
         sample = seconds / units
+        if self._recent is not None:
+            self._recent.append(sample)
+            self.per_unit = statistics.median(self._recent)
+            return
         self.per_unit = sample if self.per_unit is None else (
             self.per_unit + self._weight * (sample - self.per_unit))
 
@@ -69,8 +89,9 @@ class PrefillRate(Rate):
     MIN_TOKENS = 16
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 min_tokens: int = MIN_TOKENS, weight: float = WEIGHT) -> None:
-        super().__init__(weight)
+                 min_tokens: int = MIN_TOKENS, weight: float = WEIGHT,
+                 window: int = PREFILL_WINDOW) -> None:
+        super().__init__(weight, window)
         self._clock = clock
         self._min_tokens = min_tokens
         self._steps: deque[tuple[float, int, int]] = deque(maxlen=8)
@@ -134,3 +155,142 @@ def load_slower(tokens: int, prefill: Rate, loading: float | None) -> bool:
     recompute = prefill.seconds(tokens)
     return recompute is not None and loading is not None and tokens > 0 and \
         loading >= recompute
+
+
+def load_estimate(tokens: int, load_rate: Rate, round_trip: float | None,
+                  tokens_per_key: int, read_threads: int) -> float | None:
+    """The expected seconds to load tokens: at the measured load rate; before any load,
+    LOAD_TRIPS round trips of the volume per file on each read thread; None while
+    neither is known."""
+    measured = load_rate.seconds(tokens)
+    if measured is not None or round_trip is None:
+        return measured
+    files = -(-tokens // max(1, tokens_per_key))
+    return LOAD_TRIPS * round_trip * -(-files // max(1, read_threads))
+
+
+class RequestWaits:
+    """The recompute bound's decision for each request's lookups, as both of kvtier's
+    vLLM managers take it: GPU-direct mode (vllm_spec.KvtierOffloadingManager) and tier
+    mode (vllm_tier.KvtierStorageTier under vLLM's TieringOffloadingManager). A request's
+    wait starts at its first lookup; every answer still pending is priced with
+    stop_waiting, every hit with load_slower; once either says stop, keys ending past
+    the cut are misses for that request from then on (the confirmed prefix before it
+    loads, the rest is recomputed) and the skip is reported once (skipped(reason)).
+    Before the prefill rate is measured, lookups are asked impatiently (the store's fixed
+    lookup_pending_seconds decides)."""
+
+    def __init__(self, prefill: Rate, tokens_per_key: int, skipped: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic, requests: int = 4096) -> None:
+        self.prefill = prefill
+        self.tokens_per_key = max(1, tokens_per_key)
+        self._skipped = skipped
+        self._clock = clock
+        self._requests = requests
+        self._waits: OrderedDict[str, RequestWait] = OrderedDict()
+        self.skips: Counter[str] = Counter()  # requests skipped so far, by reason
+
+    def get(self, req_id: str) -> RequestWait | None:
+        return self._waits.get(req_id)
+
+    def end_token(self, req_id: str, position: int | None) -> int:
+        """The prompt token a key's chunk ends at: vLLM's recorded position, or where it
+        records none, the keys' order of first sight."""
+        if position is not None:
+            return int(position)
+        wait = self._waits.get(req_id)
+        return (wait.end if wait is not None else 0) + self.tokens_per_key
+
+    def answer(self, req_id: str, end: int, ask: Callable[[bool], bool | None],
+               loading: Callable[[int], float | None],
+               expected_wait: Callable[[], float | None]) -> bool | None:
+        """Whether the key ending at token `end` is to be loaded (True), recomputed
+        (False) or waited for (None). ask(patient) asks the store(s) (True, False, or
+        None while pending); loading(tokens) and expected_wait() price the tier."""
+        wait = self._wait_of(req_id, end)
+        if wait.cut is not None and end > wait.cut:
+            return False  # decided: recompute from here
+        present = ask(self.prefill.per_unit is not None)
+        if present is None:
+            reason = stop_waiting(wait, self._clock(), self.prefill,
+                                  loading(wait.at_stake), expected_wait())
+            if reason is None:
+                return None
+            self._recompute_from(wait, end - self.tokens_per_key, reason)
+            return False
+        if present and load_slower(wait.at_stake, self.prefill, loading(wait.at_stake)):
+            self._recompute_from(wait, wait.start, LOAD_SLOWER)
+            return False
+        return present
+
+    def finished(self, req_id: str) -> None:
+        self._waits.pop(req_id, None)
+
+    def _wait_of(self, req_id: str, end: int) -> RequestWait:
+        """The request's wait, started at its first lookup; its span grown to key's."""
+        wait = self._waits.get(req_id)
+        if wait is None:
+            wait = self._waits[req_id] = RequestWait(self._clock(),
+                                                     end - self.tokens_per_key, end)
+            while len(self._waits) > self._requests:
+                self._waits.popitem(last=False)
+        wait.start = min(wait.start, end - self.tokens_per_key)
+        wait.end = max(wait.end, end)
+        return wait
+
+    def _recompute_from(self, wait: RequestWait, token: int, reason: str) -> None:
+        """Keys ending past token are recomputed; counted once per request."""
+        wait.cut = token if wait.cut is None else min(wait.cut, token)
+        if wait.reason is None:
+            wait.reason = reason
+            self.skips[reason] += 1
+            self._skipped(reason)
+
+
+class PromptTimes(Rate):
+    """The engine's seconds per prompt token as a secondary tier of vLLM's tiering sees
+    it, which is never shown the engine's steps: a request's prompt is timed from the step
+    that first schedules it (on_schedule_end's new_req_ids) to the last of its prompt's
+    chunks reaching the tier (vLLM cascades a chunk to every tier once its GPU-to-CPU copy
+    completes; prompt chunks only, vLLM's default offload_prompt_only), over the tokens
+    those chunks span; one sample when the request finishes (vLLM tells the tiers only
+    after its last cascade). An upper bound: it includes the copy's lag (a step or two)
+    and any other request sharing the steps, so the bound it feeds errs towards waiting
+    a little longer, by less than a step."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 min_tokens: int = PrefillRate.MIN_TOKENS, weight: float = WEIGHT,
+                 requests: int = 4096, window: int = PREFILL_WINDOW) -> None:
+        super().__init__(weight, window)
+        self._clock = clock
+        self._min_tokens = min_tokens
+        self._requests = requests
+        self._begun: OrderedDict[str, float] = OrderedDict()  # req id -> first scheduled
+        self._stored: dict[str, tuple[int, int, float]] = {}  # req id -> (start, end, when)
+
+    def scheduled(self, req_ids: Iterable[str]) -> None:
+        """These requests were scheduled for the first time in the step handed out now."""
+        now = self._clock()
+        for req_id in req_ids:
+            self._begun.setdefault(req_id, now)
+            while len(self._begun) > self._requests:
+                gone, _ = self._begun.popitem(last=False)
+                self._stored.pop(gone, None)
+
+    def stored(self, req_id: str, start: int, end: int) -> None:
+        """A request's prompt tokens start..end reached the tier now."""
+        if req_id not in self._begun or end <= start:
+            return
+        known = self._stored.get(req_id)
+        if known is not None:
+            start, end = min(start, known[0]), max(end, known[1])
+        self._stored[req_id] = (start, end, self._clock())
+
+    def finished(self, req_id: str) -> None:
+        began = self._begun.pop(req_id, None)
+        stored = self._stored.pop(req_id, None)
+        if began is None or stored is None:
+            return
+        start, end, when = stored
+        if end - start >= self._min_tokens:
+            self.add(when - began, end - start)

@@ -51,6 +51,7 @@ class KvtierObjectTier(KvtierStorageTier):
         read_timeout_s: float = 10.0,
         max_attempts: int = 2,
         write_queue_seconds: float = 10.0,
+        recompute_bound: bool = True,
         enable_kv_events: bool = False,
         locality: str | None = "REMOTE",
         backpressure_detector: Any = None,
@@ -81,6 +82,8 @@ class KvtierObjectTier(KvtierStorageTier):
         if prefix is not None:
             settings.prefix = prefix
         self.store = ObjectStore(settings, metrics=Metrics(self._recorder, self.metrics_tier))  # type: ignore[assignment]
+        # reads: three quarters of the requests (object_store.ObjectStore's pool)
+        self._bound_requests(offloading_spec, recompute_bound, max(1, max_concurrency * 3 // 4))
         self.events = TierEvents.configured(offloading_spec, tier_type, enable_kv_events,
                                             self.medium, self.locality)
         if self.events is not None:

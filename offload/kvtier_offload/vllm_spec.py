@@ -74,14 +74,7 @@ from kvtier_offload.page_copy import (
     memmove_batch_copy,
     vllm_batch_copy,
 )
-from kvtier_offload.recompute_bound import (
-    LOAD_SLOWER,
-    PrefillRate,
-    Rate,
-    RequestWait,
-    load_slower,
-    stop_waiting,
-)
+from kvtier_offload.recompute_bound import PrefillRate, Rate, RequestWaits, load_estimate
 from kvtier_offload.store import BlockStore, StoreConfig
 from kvtier_offload.tier_events import TierEvents
 
@@ -151,6 +144,11 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
     ))
 
 
+# The recompute bound's answers (recompute_bound.RequestWaits) and vLLM's.
+_PRESENT: dict[LookupResult, bool | None] = {
+    LookupResult.HIT: True, LookupResult.MISS: False, LookupResult.RETRY: None}
+_ANSWER: dict[bool | None, LookupResult] = {
+    True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 LOADED_REQUESTS = 4096  # requests whose loaded keys (and lookup waits) the manager remembers
 # KV events (enable_kv_events): keys announced stored and not since removed, and keys
 # whose files are to be looked at before an announcement; past these the oldest go (a
@@ -211,7 +209,8 @@ class KvtierOffloadingManager(OffloadingManager):
         self._clock = clock
         self.prefill = PrefillRate(clock)
         self.load_rate = Rate()
-        self._waits: OrderedDict[str, RequestWait] = OrderedDict()
+        self.waits = RequestWaits(self.prefill, self.tokens_per_key, self._skipped, clock,
+                                  LOADED_REQUESTS)
         self._loading: dict[str, tuple[float, int]] = {}  # req id -> (began, tokens)
         # KV events (tier_events): the manager never sees the worker's files land or go,
         # so it looks. A key whose store completed, or whose load failed, is looked up
@@ -245,25 +244,13 @@ class KvtierOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         if not self.recompute_bound:
             return self._ask_stores(raw, patient=False)
-        end = self._end_token(key, req_context)
-        wait = self._wait_of(req_context.req_id, end)
-        if wait.cut is not None and end > wait.cut:
-            return LookupResult.MISS  # decided: recompute from here
-        measured = self.prefill.per_unit is not None
-        answer = self._ask_stores(raw, patient=measured)
-        if answer is LookupResult.RETRY:
-            reason = stop_waiting(wait, self._clock(), self.prefill,
-                                  self._load_seconds(wait.at_stake),
-                                  self._expected_lookup_wait())
-            if reason is None:
-                return LookupResult.RETRY
-            self._recompute_from(wait, end - self.tokens_per_key, reason)
-            return LookupResult.MISS
-        if answer is LookupResult.HIT:
-            if load_slower(wait.at_stake, self.prefill, self._load_seconds(wait.at_stake)):
-                self._recompute_from(wait, wait.start, LOAD_SLOWER)
-                return LookupResult.MISS
-        return answer
+        position = getattr(req_context, "get_offload_key_position", None)
+        end = self.waits.end_token(req_context.req_id,
+                                   position(key) if position is not None else None)
+        present = self.waits.answer(
+            req_context.req_id, end, lambda patient: _PRESENT[self._ask_stores(raw, patient)],
+            self._load_seconds, self._expected_lookup_wait)
+        return _ANSWER[present]
 
     def _ask_stores(self, key: bytes, patient: bool) -> LookupResult:
         # Ask every rank's store (a hit refreshes that file's atime), so no rank's copy of
@@ -279,46 +266,16 @@ class KvtierOffloadingManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.HIT
 
-    def _end_token(self, key: OffloadKey, req_context: ReqContext) -> int:
-        """The prompt token key's chunk ends at (vLLM records it per request; where it
-        does not, the keys' order of first sight stands in for it)."""
-        position = getattr(req_context, "get_offload_key_position", None)
-        end = position(key) if position is not None else None
-        if end is None:
-            wait = self._waits.get(req_context.req_id)
-            end = (wait.end if wait is not None else 0) + self.tokens_per_key
-        return int(end)
-
-    def _wait_of(self, req_id: str, end: int) -> RequestWait:
-        """The request's wait, started at its first lookup; its span grown to key's."""
-        wait = self._waits.get(req_id)
-        if wait is None:
-            wait = self._waits[req_id] = RequestWait(self._clock(), end - self.tokens_per_key,
-                                                     end)
-            while len(self._waits) > LOADED_REQUESTS:
-                self._waits.popitem(last=False)
-        wait.start = min(wait.start, end - self.tokens_per_key)
-        wait.end = max(wait.end, end)
-        return wait
-
-    def _recompute_from(self, wait: RequestWait, token: int, reason: str) -> None:
-        """Keys ending past token are recomputed; counted once per request."""
-        wait.cut = token if wait.cut is None else min(wait.cut, token)
-        if wait.reason is None:
-            wait.reason = reason
-            self.store.metrics.tier_skipped.labels(reason).inc()
+    def _skipped(self, reason: str) -> None:
+        self.store.metrics.tier_skipped.labels(reason).inc()
 
     def _load_seconds(self, tokens: int) -> float | None:
         """The expected time to load tokens: at the measured load rate; before any load,
-        a round trip of the volume per file on each of the workers' read threads."""
-        measured = self.load_rate.seconds(tokens)
-        if measured is not None:
-            return measured
+        recompute_bound.LOAD_TRIPS round trips of the volume per file on each of the workers'
+        read threads."""
         trips = [t for t in (s.stat_seconds() for s in self.stores) if t is not None]
-        if not trips:
-            return None
-        files = -(-tokens // self.tokens_per_key)
-        return max(trips) * -(-files // self.read_threads)
+        return load_estimate(tokens, self.load_rate, max(trips, default=None),
+                             self.tokens_per_key, self.read_threads)
 
     def _expected_lookup_wait(self) -> float | None:
         """The longest expected wait for the lookups queued on any rank's files."""
@@ -346,7 +303,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._loaded.pop(req_context.req_id, None)
-        self._waits.pop(req_context.req_id, None)
+        self.waits.finished(req_context.req_id)
         self._loading.pop(req_context.req_id, None)
 
     def prepare_store(self, keys: Collection[OffloadKey],

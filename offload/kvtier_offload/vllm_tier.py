@@ -12,12 +12,24 @@ A node-local directory (local NVMe) goes before the shared one in secondary_tier
 
 Failures are first-class here: a failed load makes vLLM recompute, so the store reports
 exactly what it could verify and nothing more.
+
+Never slower than recompute (recompute_bound.py), as in GPU-direct mode and with the same
+decision (RequestWaits): vLLM's tiering asks a secondary tier only whether each chunk is
+there (HIT, MISS, or RETRY: ask again next step, the request waits), stops a request's
+scan at the first MISS and promotes each HIT at once. So the tier answers RETRY while the
+volume's answers are worth waiting for, and MISS from the chunk where waiting (or
+loading) would cost more than recomputing: the chunks already found load, the rest is
+recomputed, counted in kvtier_offload_tier_skipped{reason}. The tier never sees the
+engine's steps, so it times prompts itself (PromptTimes: first scheduled, on_schedule_end,
+to its last chunk cascaded here) and loads from submit_load to their result. Setting
+"recompute_bound": false keeps only the fixed lookup_pending_seconds deadline.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -29,12 +41,14 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.metrics import DEFINITIONS, SHARED_TIER, Metrics, Recorder
+from kvtier_offload.recompute_bound import PromptTimes, Rate, RequestWaits, load_estimate
 from kvtier_offload.tier_events import TierEvents
 
 if TYPE_CHECKING:
@@ -85,6 +99,7 @@ class KvtierStorageTier(SecondaryTierManager):
         free_space_floor_percent: float = 2.0,
         write_queue_seconds: float = 10.0,
         capacity_bytes: int | str | None = None,
+        recompute_bound: bool = True,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Here, not at the top: vLLM's API server imports this module for the metric
@@ -106,6 +121,7 @@ class KvtierStorageTier(SecondaryTierManager):
                 capacity_bytes, self.block_size_bytes),
         ), metrics=Metrics(self._recorder, self.metrics_tier))
         self.store.layout.write_config(config)
+        self._bound_requests(offloading_spec, recompute_bound, n_read_threads)
         self.events = TierEvents.configured(offloading_spec, tier_type, enable_kv_events,
                                             self.medium, self.locality)
         if self.events is not None:
@@ -114,8 +130,34 @@ class KvtierStorageTier(SecondaryTierManager):
                  self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
                  n_read_threads, n_write_threads)
 
+    def _bound_requests(self, offloading_spec: Any, recompute_bound: bool,
+                        read_threads: int,
+                        clock: Callable[[], float] = time.monotonic) -> None:
+        """The recompute bound's state (recompute_bound.py): the engine's prompt times,
+        this tier's load times, each request's wait (on clock: tests pass a fake one)."""
+        if not isinstance(recompute_bound, bool):
+            raise ValueError(f"{type(self).__name__}: recompute_bound must be true or "
+                             f"false (JSON), not {recompute_bound!r}")
+        self.recompute_bound = recompute_bound
+        self.tokens_per_key = max(1, int(offloading_spec.tokens_per_block[0]) *
+                                  int(offloading_spec.blocks_per_chunk))
+        self.read_threads = max(1, int(read_threads))
+        self._clock = clock
+        self.prefill = PromptTimes(clock)
+        self.load_rate = Rate()
+        self.waits = RequestWaits(self.prefill, self.tokens_per_key, self._skipped, clock)
+        self._loads: dict[int, tuple[float, int]] = {}  # job id -> (submitted, tokens)
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.prefill.scheduled(context.new_req_ids)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # vLLM calls this after the request's last cascade was submitted here.
+        self.prefill.finished(req_context.req_id)
+        self.waits.finished(req_context.req_id)
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
@@ -129,10 +171,25 @@ class KvtierStorageTier(SecondaryTierManager):
                 "kvtier_file_format": FILE_FORMAT}
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        present = self.store.lookup(bytes(key))
+        raw = bytes(key)
+        if not self.recompute_bound:
+            present = self.store.lookup(raw)
+        else:
+            req_id = req_context.req_id
+            end = self.waits.end_token(req_id, req_context.get_offload_key_position(key))
+            present = self.waits.answer(req_id, end,
+                                        lambda patient: self.store.lookup(raw, patient),
+                                        self._load_seconds, self.store.expected_lookup_wait)
         if present is None:
             return LookupResult.RETRY  # resolving in the background; vLLM asks again
         return LookupResult.HIT if present else LookupResult.MISS
+
+    def _skipped(self, reason: str) -> None:
+        self.store.metrics.tier_skipped.labels(reason).inc()
+
+    def _load_seconds(self, tokens: int) -> float | None:
+        return load_estimate(tokens, self.load_rate, self.store.stat_seconds(),
+                             self.tokens_per_key, self.read_threads)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         return  # recency lives on the files' atime, refreshed on every hit and load
@@ -140,16 +197,25 @@ class KvtierStorageTier(SecondaryTierManager):
     # Both run on vLLM's scheduler thread: rows go by index (no buffer object per row) and
     # OffloadKey is bytes (a NewType), so nothing is copied here.
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self.store.store_rows(job_metadata.job_id, list(job_metadata.keys), self._rows,
-                              job_metadata.chunk_ids)
+        keys = list(job_metadata.keys)
+        self.store.store_rows(job_metadata.job_id, keys, self._rows, job_metadata.chunk_ids)
+        context = job_metadata.req_context
+        ends = [e for e in map(context.get_offload_key_position, keys) if e is not None]
+        if ends:  # the prompt's chunks computed so far (recompute_bound.PromptTimes)
+            self.prefill.stored(context.req_id, min(ends) - self.tokens_per_key, max(ends))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._loads[job_metadata.job_id] = (self._clock(),
+                                            len(job_metadata.keys) * self.tokens_per_key)
         self.store.load_rows(job_metadata.job_id, list(job_metadata.keys), self._rows,
                              job_metadata.chunk_ids)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
         for outcome in self.store.finished():
+            submitted = self._loads.pop(outcome.job_id, None)
+            if submitted is not None:  # what a hit costs a request: submitted to done
+                self.load_rate.add(self._clock() - submitted[0], submitted[1])
             if outcome.kind == "load" and not outcome.success:
                 ok = outcome.ok_prefix
                 results.append(JobResult(job_id=outcome.job_id, success=False,

