@@ -48,6 +48,12 @@ PREFILL_WINDOW = 5
 # Before any load is measured, a block file's load is priced at this many of the volume's
 # stat round trips (open, read, close each cost one on a network filesystem; a stat is one).
 LOAD_TRIPS = 3
+# A tier priced slower than recompute is still tried by one request in this many (the
+# first such request, then every PROBE_EVERY-th): the price may be an estimate (no load
+# measured yet) or a slow spell that has passed, and a tier that is never loaded from is
+# never measured again. A probe waits within the wait budget alone, as if its load were
+# free; where the tier really is slower it costs that one request its difference.
+PROBE_EVERY = 16
 
 
 class Rate:
@@ -125,6 +131,7 @@ class RequestWait:
     end: int
     cut: int | None = None  # keys ending past this token are recomputed
     reason: str | None = None
+    probe: bool | None = None  # decided at its first "load slower": tried anyway
 
     @property
     def at_stake(self) -> int:
@@ -189,6 +196,7 @@ class RequestWaits:
         self._requests = requests
         self._waits: OrderedDict[str, RequestWait] = OrderedDict()
         self.skips: Counter[str] = Counter()  # requests skipped so far, by reason
+        self._slower_requests = 0  # requests priced slower than recompute (PROBE_EVERY)
 
     def get(self, req_id: str) -> RequestWait | None:
         return self._waits.get(req_id)
@@ -211,17 +219,29 @@ class RequestWaits:
         if wait.cut is not None and end > wait.cut:
             return False  # decided: recompute from here
         present = ask(self.prefill.per_unit is not None)
+        priced = loading(wait.at_stake)
+        slower = load_slower(wait.at_stake, self.prefill, priced)
+        if slower and self._probes(wait):
+            priced, slower = None, False  # bounded by the wait budget alone
         if present is None:
-            reason = stop_waiting(wait, self._clock(), self.prefill,
-                                  loading(wait.at_stake), expected_wait())
+            reason = stop_waiting(wait, self._clock(), self.prefill, priced,
+                                  expected_wait())
             if reason is None:
                 return None
             self._recompute_from(wait, end - self.tokens_per_key, reason)
             return False
-        if present and load_slower(wait.at_stake, self.prefill, loading(wait.at_stake)):
+        if present and slower:
             self._recompute_from(wait, wait.start, LOAD_SLOWER)
             return False
         return present
+
+    def _probes(self, wait: RequestWait) -> bool:
+        """Whether this request, priced slower than recompute, tries the tier anyway
+        (PROBE_EVERY); decided once per request."""
+        if wait.probe is None:
+            wait.probe = self._slower_requests % PROBE_EVERY == 0
+            self._slower_requests += 1
+        return wait.probe
 
     def finished(self, req_id: str) -> None:
         self._waits.pop(req_id, None)

@@ -182,6 +182,28 @@ def test_the_decision_is_the_requests_until_it_finishes():
     assert waits.answer("r", 64, lambda p: True, lambda t: None, lambda: None) is True
 
 
+def test_a_tier_priced_slower_than_recompute_is_still_tried_now_and_then():
+    """A tier priced slower than recompute (here by the round-trip estimate, before any
+    load was measured) is tried by the first such request and then one in PROBE_EVERY:
+    otherwise it is never loaded from, its real load rate never measured, and a price
+    that was wrong shuts it out for good (GlusterFS with a writer: estimated slower,
+    measured 0.46x recompute end to end)."""
+    from kvtier_offload.recompute_bound import PROBE_EVERY, RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    slower = lambda tokens: 1.0  # noqa: E731 (1 s for 64 tokens recomputed in 64 ms)
+    answers = [waits.answer(f"r{i}", 64, lambda p: True, slower, lambda: None)
+               for i in range(2 * PROBE_EVERY + 1)]
+    tried = [i for i, a in enumerate(answers) if a]
+    assert tried == [0, PROBE_EVERY, 2 * PROBE_EVERY]
+    assert skipped == [LOAD_SLOWER] * (len(answers) - 3)
+    # the decision is the request's: a probe keeps loading its later keys
+    assert waits.answer("r0", 96, lambda p: True, slower, lambda: None) is True
+    assert waits.answer("r1", 96, lambda p: True, slower, lambda: None) is False
+
+
 def test_an_engines_costly_first_prefill_does_not_inflate_the_recompute_price():
     """The first prefill pays one-time costs (here 10x); priced at the median of recent
     prompts, recompute looks no dearer than it is, so no request waits on that account."""

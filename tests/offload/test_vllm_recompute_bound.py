@@ -155,6 +155,12 @@ def test_a_tier_whose_loads_are_slower_than_recompute_is_skipped(tmp_path):
     manager.complete_load(keys[:1], first)
     manager.on_request_finished(first)
     before = _skipped("load-slower")
+    # The first request priced slower is the probe (recompute_bound.PROBE_EVERY): it
+    # loads, so the price is measured again; the next is skipped.
+    probe_keys = [bytes([n]) * 36 for n in range(8, 12)]
+    _stored(store, probe_keys)
+    assert _scan(manager, probe_keys, _request(probe_keys, "probe")) == len(probe_keys)
+    assert _skipped("load-slower") == before
     ctx = _request(keys, "second")
     assert _scan(manager, keys, ctx) == 0  # every key there, none worth loading
     assert _skipped("load-slower") == before + 1

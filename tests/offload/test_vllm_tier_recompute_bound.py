@@ -188,6 +188,12 @@ def test_a_tier_whose_loads_are_slower_than_recompute_is_skipped(tiered):
     (result,) = list(tier.get_finished_jobs())
     assert result.success
     before = _skipped(tier, "load-slower")
+    # The first request priced slower is the probe (recompute_bound.PROBE_EVERY): it
+    # loads, so the price is measured again; the next is skipped.
+    probe_keys = _keys(4, 3)
+    _stored(tier, probe_keys)
+    assert LookupResult.MISS not in _scan(manager, probe_keys, _context("probe", probe_keys))
+    assert _skipped(tier, "load-slower") == before
     ctx = _context("r", keys)
     assert _scan(manager, keys, ctx) == [LookupResult.MISS]  # all there, none worth it
     assert _skipped(tier, "load-slower") == before + 1
