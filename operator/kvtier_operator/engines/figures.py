@@ -76,9 +76,15 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
     return out
 
 
+# Distinct bucket bounds a histogram may have (engines export about 10-30): a page with
+# more is left out, so a pod cannot make each round's window, history and status work
+# grow with the bounds it invents.
+MAX_BUCKETS = 64
+
+
 def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, float], ...]:
     """A histogram's cumulative buckets (le, count), summed over the series that match;
-    empty where a count is not finite."""
+    empty where a count is not finite or there are more than MAX_BUCKETS bounds."""
     out: dict[float, float] = {}
     for labels, v in samples.get(f"{name}_bucket", ()):
         if all(labels.get(k) == want for k, want in match.items()) and "le" in labels:
@@ -87,6 +93,8 @@ def buckets(samples: Samples, name: str, **match: str) -> tuple[tuple[float, flo
             except ValueError:
                 continue
             out[le] = out.get(le, 0.0) + v
+            if len(out) > MAX_BUCKETS:
+                return ()
     if not all(math.isfinite(v) for v in out.values()):
         return ()
     return tuple(sorted(out.items()))

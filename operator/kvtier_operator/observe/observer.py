@@ -7,7 +7,7 @@ their own (reading_process.py), bounded there: at most `concurrency` reads at on
 with its own deadline and body and series caps, and the round as a whole with a deadline.
 Only each pod's small figures come back to this loop, where kopf's handlers and the
 admission webhook run, each packed on its own; unpacking and folding them into the
-window yields to the loop every FOLD_BATCH pods. A
+window yields to the loop every FOLD_BATCH pods or FOLD_SECONDS. A
 slow or hostile pod costs its own read only: reconciles never wait for the loop, and the
 other pods' reads go on.
 """
@@ -84,8 +84,10 @@ class CacheObservation:
     pods_selected: int = 0
 
 
-# Pods folded into the window between two yields to the event loop.
+# Pods folded into the window between two yields to the event loop, or less where
+# folding has taken FOLD_SECONDS.
 FOLD_BATCH = 25
+FOLD_SECONDS = 0.005
 
 
 @dataclass
@@ -115,9 +117,11 @@ class Observer:
             by_cache[(cache.namespace, cache.cache)] = CacheObservation(
                 window=WindowSum(), pods_read=0, pods_unreadable=0, problems=[],
                 observed_at=now_iso, reads=True, pods_selected=len(cache.pods))
+        turn = time.monotonic()
         for n, ((cache, target), packed) in enumerate(zip(pairs, results, strict=True)):
-            if n and n % FOLD_BATCH == 0:
+            if n and (n % FOLD_BATCH == 0 or time.monotonic() - turn > FOLD_SECONDS):
                 await asyncio.sleep(0)  # let admissions and handlers in
+                turn = time.monotonic()
             result = unpack(packed)
             obs = by_cache[(cache.namespace, cache.cache)]
             key = (cache.namespace, f"{target.pod}/{target.uid}")

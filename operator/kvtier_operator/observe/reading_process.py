@@ -34,6 +34,7 @@ log = logging.getLogger("kvtier_operator.observe")
 NICENESS = 10  # the worker's, added to the operator's
 START_SECONDS = 60.0  # a new worker's start (imports) on a busy node
 SLACK_SECONDS = 30.0  # parsing and the readers, beyond the reads' own deadlines
+PARSE_SHARE = 0.7  # of the round's deadline, after which the worker parses no more pages
 
 
 def round_deadline(jobs: int, settings: ReadSettings) -> float:
@@ -78,7 +79,9 @@ class ReadingProcess:
         future: Future[list[bytes]] | None = None
         try:
             pool = await self.start()
-            future = pool.submit(read_round, list(jobs), settings)
+            # Parses stop at PARSE_SHARE of the deadline inside the round (reads.LATE for
+            # the rest): the deadline here is for a worker that hangs or dies.
+            future = pool.submit(read_round, list(jobs), settings, PARSE_SHARE * deadline)
             return await asyncio.wait_for(asyncio.wrap_future(future), deadline)
         except TimeoutError:
             why = (f"the observation's reading process did not finish the round within "

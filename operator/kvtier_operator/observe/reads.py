@@ -15,6 +15,7 @@ the other pods' reads (their deadlines keep running while they wait for the loop
 from __future__ import annotations
 
 import asyncio
+import math
 import pickle
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,9 @@ from kvtier_operator.engines.base import Launcher
 from kvtier_operator.engines.figures import PodFigures
 from kvtier_operator.observe.page import Page, from_prometheus, parse, prometheus_query_url
 from kvtier_operator.observe.scrape import fetch
+
+LATE = ("not read this round: the round's time was spent on other pods' pages (slow to "
+        "parse); read again next round")
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,20 @@ def _figures(page: Page, where: str, job: ReadJob) -> ReadResult:
 
 
 async def _read(session: aiohttp.ClientSession, sem: asyncio.Semaphore,
-                parser: ThreadPoolExecutor, job: ReadJob, s: ReadSettings) -> ReadResult:
+                parser: ThreadPoolExecutor, job: ReadJob, s: ReadSettings,
+                stop_at: float) -> ReadResult:
     loop = asyncio.get_running_loop()
     families = job.launcher.metric_families
     if s.prometheus_url:
         url = prometheus_query_url(s.prometheus_url, job.namespace, job.pod, families)
-        async with sem:
+        async with sem:  # held through the parse: fetched pages never pile up
             text, problem = await fetch(session, url, s.timeout, s.max_bytes,
                                         accept="application/json")
-        if text is None:
-            return ReadResult(problem=f"Prometheus: {problem}")
-        page = await loop.run_in_executor(parser, from_prometheus, text, s.max_series)
+            if text is None:
+                return ReadResult(problem=f"Prometheus: {problem}")
+            if loop.time() > stop_at:
+                return ReadResult(problem=LATE)
+            page = await loop.run_in_executor(parser, from_prometheus, text, s.max_series)
         if page.problem is not None:
             return ReadResult(problem=f"Prometheus, pod {job.pod}: {page.problem}")
         if not page.samples:
@@ -92,35 +99,43 @@ async def _read(session: aiohttp.ClientSession, sem: asyncio.Semaphore,
         return _figures(page, "Prometheus", job)
     if job.url is None:
         return ReadResult(problem=job.problem)
-    async with sem:
+    async with sem:  # held through the parse: fetched pages never pile up
         text, problem = await fetch(session, job.url, s.timeout, s.max_bytes)
-    if text is None:
-        return ReadResult(problem=problem)
-    page = await loop.run_in_executor(parser, parse, text, s.max_series, families or None)
+        if text is None:
+            return ReadResult(problem=problem)
+        if loop.time() > stop_at:
+            return ReadResult(problem=LATE)
+        page = await loop.run_in_executor(parser, parse, text, s.max_series, families or None)
     if page.problem is not None:
         return ReadResult(problem=f"{job.url}: {page.problem}")
     return _figures(page, job.url, job)
 
 
-async def read_all(jobs: Sequence[ReadJob], settings: ReadSettings) -> list[ReadResult]:
-    """Every job's result, in order; an unexpected error is that pod's problem."""
+async def read_all(jobs: Sequence[ReadJob], settings: ReadSettings,
+                   seconds: float = math.inf) -> list[ReadResult]:
+    """Every job's result, in order; an unexpected error is that pod's problem. No page
+    is parsed once `seconds` have passed (LATE): pages that are slow to parse cost their
+    own pods' figures, never the round's (whose deadline would otherwise cancel it)."""
+    stop_at = asyncio.get_running_loop().time() + seconds
     sem = asyncio.Semaphore(max(1, settings.concurrency))
     connector = aiohttp.TCPConnector(limit=max(1, settings.concurrency), force_close=True)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-observe-parse") as parser:
         async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                          auto_decompress=True) as session:
-            done = await asyncio.gather(*(_read(session, sem, parser, job, settings)
-                                          for job in jobs), return_exceptions=True)
+            done = await asyncio.gather(*(_read(session, sem, parser, job, settings,
+                                                stop_at) for job in jobs),
+                                        return_exceptions=True)
     return [r if isinstance(r, ReadResult) else ReadResult(problem=f"reading failed: {r!r}")
             for r in done]
 
 
-def read_round(jobs: Sequence[ReadJob], settings: ReadSettings) -> list[bytes]:
+def read_round(jobs: Sequence[ReadJob], settings: ReadSettings,
+               seconds: float = math.inf) -> list[bytes]:
     """read_all on a loop of its own, each result packed on its own: the reading
     process's entry point. The operator unpacks them one by one between turns of its
     event loop (`unpack`); one pickle of the whole round would be unpacked in one go,
     holding the GIL for tens of milliseconds (more on a busy node) while admissions wait."""
-    return [pack(result) for result in asyncio.run(read_all(jobs, settings))]
+    return [pack(result) for result in asyncio.run(read_all(jobs, settings, seconds))]
 
 
 def pack(result: ReadResult) -> bytes:

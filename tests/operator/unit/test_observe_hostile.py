@@ -63,7 +63,13 @@ def handler(text: str):
 NAN = GOOD.replace('source="external_unspecified"} 192.0', 'source="external_unspecified"} NaN')
 
 
-async def test_hostile_endpoints_cost_only_their_own_read():
+async def test_hostile_endpoints_cost_only_their_own_read(monkeypatch):
+    # The reading process runs niced in the operator (observation yields to admissions);
+    # here it runs at the test's priority, so that what is timed is the reads' bounds,
+    # not how the scheduler shares a busy CI runner with a nice-10 process.
+    from kvtier_operator.observe import reading_process
+
+    monkeypatch.setattr(reading_process, "NICENESS", 0)
     app = web.Application()
     app.router.add_get("/good", handler(GOOD))
     app.router.add_get("/nan", handler(NAN))
@@ -291,3 +297,43 @@ def test_worker_processes_end_when_the_operator_is_killed(parent_code):
         parent.kill()
         if worker is not None and _alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+async def test_pages_past_the_rounds_parse_time_cost_their_own_figures_only():
+    """Pages that are slow to parse must not make the round miss its deadline (which
+    throws every cache's results away): past its share of the deadline the reading
+    process parses no more pages, and those pods say why (reads.LATE)."""
+    from kvtier_operator.observe.reads import LATE, ReadJob, ReadSettings, read_all
+
+    app = web.Application()
+    app.router.add_get("/good", handler(GOOD))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    tpc = parse_tpc(body({"cpu": None}))
+    launcher = adapter_for(tpc.spec).launcher
+    jobs = [ReadJob("ml", f"p{i}", f"http://127.0.0.1:{port}/good", None, launcher,
+                    ("storage",)) for i in range(3)]
+    settings = ReadSettings(timeout=TIMEOUT, max_bytes=4 << 20, max_series=20_000,
+                            concurrency=2)
+    try:
+        in_time = await read_all(jobs, settings)
+        late = await read_all(jobs, settings, seconds=0.0)
+    finally:
+        await runner.cleanup()
+    assert all(r.figures is not None for r in in_time)
+    assert [r.problem for r in late] == [LATE] * 3
+
+
+def test_a_histogram_with_invented_bucket_bounds_is_left_out():
+    """A pod's page may invent any number of `le` bounds (up to the series cap); each
+    would be carried through the window, the history and the status every round on the
+    operator's loop. More than MAX_BUCKETS bounds: the histogram is left out."""
+    from kvtier_operator.engines.figures import MAX_BUCKETS, buckets
+
+    def page(bounds: int):
+        return {"h_bucket": [({"le": str(float(i))}, float(i)) for i in range(bounds)]}
+
+    assert len(buckets(page(MAX_BUCKETS), "h")) == MAX_BUCKETS
+    assert buckets(page(MAX_BUCKETS + 1), "h") == ()
