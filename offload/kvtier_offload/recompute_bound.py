@@ -167,13 +167,16 @@ def load_slower(tokens: int, prefill: Rate, loading: float | None) -> bool:
 def load_estimate(tokens: int, load_rate: Rate, round_trip: float | None,
                   tokens_per_key: int, read_threads: int) -> float | None:
     """The expected seconds to load tokens: at the measured load rate; before any load,
-    LOAD_TRIPS round trips of the volume per file on each read thread; None while
-    neither is known."""
+    LOAD_TRIPS round trips of the volume per file, the files spread over the read
+    threads; None while neither is known. Linear in the files (no rounding up to whole
+    rounds of threads): vLLM asks a prefix key by key, and the first key alone, priced as
+    a round of its own, would look dearer per token than the prefix it begins, and
+    decide the whole request against the tier."""
     measured = load_rate.seconds(tokens)
     if measured is not None or round_trip is None:
         return measured
     files = -(-tokens // max(1, tokens_per_key))
-    return LOAD_TRIPS * round_trip * -(-files // max(1, read_threads))
+    return LOAD_TRIPS * round_trip * files / max(1, read_threads)
 
 
 class RequestWaits:
@@ -253,7 +256,9 @@ class RequestWaits:
             wait = self._waits[req_id] = RequestWait(self._clock(),
                                                      end - self.tokens_per_key, end)
             while len(self._waits) > self._requests:
-                self._waits.popitem(last=False)
+                self._waits.popitem(last=False)  # the least recently asked
+        else:
+            self._waits.move_to_end(req_id)
         wait.start = min(wait.start, end - self.tokens_per_key)
         wait.end = max(wait.end, end)
         return wait

@@ -214,7 +214,9 @@ class KvtierStorageTier(SecondaryTierManager):
         results = []
         for outcome in self.store.finished():
             submitted = self._loads.pop(outcome.job_id, None)
-            if submitted is not None:  # what a hit costs a request: submitted to done
+            if submitted is not None and outcome.success:
+                # what a hit costs a request, submitted to done (a failed load, which may
+                # end at once on a missing file, says nothing of that)
                 self.load_rate.add(self._clock() - submitted[0], submitted[1])
             if outcome.kind == "load" and not outcome.success:
                 ok = outcome.ok_prefix
