@@ -167,16 +167,17 @@ def load_slower(tokens: int, prefill: Rate, loading: float | None) -> bool:
 def load_estimate(tokens: int, load_rate: Rate, round_trip: float | None,
                   tokens_per_key: int, read_threads: int) -> float | None:
     """The expected seconds to load tokens: at the measured load rate; before any load,
-    LOAD_TRIPS round trips of the volume per file, the files spread over the read
-    threads; None while neither is known. Linear in the files (no rounding up to whole
-    rounds of threads): vLLM asks a prefix key by key, and the first key alone, priced as
-    a round of its own, would look dearer per token than the prefix it begins, and
-    decide the whole request against the tier."""
+    LOAD_TRIPS round trips of the volume per file on each read thread; None while
+    neither is known. (Rounded up to whole rounds of threads: vLLM asks a prefix key by
+    key, so the first key alone is priced dearer per token than its prefix and can
+    decide the request against the tier. Priced linearly instead, requests on a volume
+    whose stats hang waited out their budget: 1.095x tier off in the e2e slow-volume
+    case against 0.86-0.93x; the probe, PROBE_EVERY, re-measures such a tier.)"""
     measured = load_rate.seconds(tokens)
     if measured is not None or round_trip is None:
         return measured
     files = -(-tokens // max(1, tokens_per_key))
-    return LOAD_TRIPS * round_trip * files / max(1, read_threads)
+    return LOAD_TRIPS * round_trip * -(-files // max(1, read_threads))
 
 
 class RequestWaits:

@@ -226,7 +226,3 @@ def test_before_any_load_a_file_is_priced_at_a_few_round_trips():
     assert load_estimate(256, Rate(), 0.01, 32, 2) == pytest.approx(LOAD_TRIPS * 0.04)
     assert load_estimate(256, prefill_at(0.001), 0.01, 32, 2) == pytest.approx(0.256)
     assert load_estimate(256, Rate(), None, 32, 2) is None
-    # one file priced at the same rate per token as the prefix it begins (it was a whole
-    # round of threads of its own: 2x dearer per token, and the first key decided)
-    assert load_estimate(32, Rate(), 0.01, 32, 2) * 8 == pytest.approx(
-        load_estimate(256, Rate(), 0.01, 32, 2))
