@@ -10,7 +10,6 @@ request's wait; the volume's stats hang for real."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import numpy as np
@@ -26,6 +25,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
+from tests.offload.test_vllm_recompute_bound import _hang_stats  # noqa: E402
 from tests.offload.test_vllm_tier import make_manager  # noqa: E402
 
 TOKENS = 64  # per chunk: make_manager's block_size
@@ -91,18 +91,6 @@ def _stored(tier, keys: list[bytes]) -> None:
     tier.store.store_rows(1, keys, tier._rows, np.arange(len(keys), dtype=np.int64))
     tier.store.drain()
     tier.store.finished()
-
-
-def _hang_stats(store) -> threading.Event:
-    release = threading.Event()
-    real = store.files.lstat
-
-    def hung(path):
-        release.wait(30)
-        return real(path)
-
-    store.files.lstat = hung
-    return release
 
 
 def _scan(manager, keys, ctx) -> list[LookupResult]:
