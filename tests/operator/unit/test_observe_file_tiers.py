@@ -42,6 +42,27 @@ def offloaded(tpc) -> tuple[str, ...]:
     return adapter_for(tpc.spec).offloaded_tiers(tpc.spec)
 
 
+def summed(counters) -> CacheObservation:
+    """One pod's increments over the window, as the observer would have summed them."""
+    return CacheObservation(window=WindowSum(counters=counters, pods_with_steps=1),
+                            pods_read=1, pods_unreadable=0, problems=[], observed_at=NOW,
+                            reads=True, pods_selected=1)
+
+
+def exported(example_name: str, obs: CacheObservation, gauge: str) -> dict[str, float]:
+    """The example cache's status from obs, exported: the gauge's value per tier."""
+    doc = example(example_name)
+    doc["metadata"].update(uid="u-1", generation=1)
+    name = doc["metadata"]["name"]
+    status = reconcile(doc, FakeGateway(), CTX, [], [], NOW, observed=obs,
+                       observing=True).status
+    metrics.export_tiers(("ml", name), status)
+    values = {t.name: REGISTRY.get_sample_value(gauge, {"namespace": "ml", "cache": name,
+                                                        "tier": t.name})
+              for t in status.tiers or []}
+    return {tier: v for tier, v in values.items() if v is not None}
+
+
 def loaded_bytes(samples, tier: str) -> float:
     return sum(v for labels, v in samples["kvtier_offload_bytes_total"]
                if labels.get("tier") == tier and labels.get("direction") == "load")
@@ -83,11 +104,8 @@ def test_without_loads_to_split_by_the_disk_hits_stay_together():
     """vLLM's disk hits with no bytes loaded from either tier over the window (a backend
     whose series are absent): one `offloaded` figure, never a guess per tier."""
     tpc = local_disk_tpc()
-    w = WindowSum(counters={("prompt_tokens", ""): 400.0, ("recomputed_tokens", ""): 16.0,
-                            (SHARED_HIT_TOKENS, "localDisk,storage"): 384.0},
-                  pods_with_steps=1)
-    obs = CacheObservation(window=w, pods_read=1, pods_unreadable=0, problems=[],
-                           observed_at=NOW, reads=True, pods_selected=1)
+    obs = summed({("prompt_tokens", ""): 400.0, ("recomputed_tokens", ""): 16.0,
+                  (SHARED_HIT_TOKENS, "localDisk,storage"): 384.0})
     out = observed_tiers(tpc, offloaded(tpc), obs, None, enabled=True)
     by = {t.name: t for t in out.tiers}
     assert by["offloaded"].hit_tokens == 384 and by["offloaded"].hit_source == "engine"
@@ -131,15 +149,9 @@ def test_dropped_writes_are_counted_per_tier_exported_and_advised(version):
             in out.advice.message)
     assert "a faster volume, more write threads (spec.storage.writeThreads), or a larger " \
            "write queue" in out.advice.message
-    doc = example("native-kvtier.yaml")
-    doc["metadata"].update(uid="u-1", generation=1)
-    metrics.export_tiers(("ml", "drops"), reconcile(
-        doc, FakeGateway(), CTX, [], [], NOW, observed=obs,
-        observing=True).status)
-    assert REGISTRY.get_sample_value("kvtier_tier_dropped_writes", {
-        "namespace": "ml", "cache": "drops", "tier": "storage"}) == said
-    assert REGISTRY.get_sample_value("kvtier_tier_dropped_writes", {
-        "namespace": "ml", "cache": "drops", "tier": "cpu"}) is None
+    # the gauge carries it; a tier without the figure has no sample
+    gauge = exported("native-kvtier.yaml", obs, "kvtier_tier_dropped_writes")
+    assert gauge == {"storage": said}
 
 
 def test_a_few_dropped_writes_are_no_advice():
@@ -147,12 +159,8 @@ def test_a_few_dropped_writes_are_no_advice():
     tpc = kvtier_tpc()
 
     def advice(dropped: float, stores: float):
-        w = WindowSum(counters={("prompt_tokens", ""): 5000.0,
-                                ("recomputed_tokens", ""): 5000.0,
-                                ("dropped_writes", "storage"): dropped,
-                                ("stores", "storage"): stores}, pods_with_steps=1)
-        obs = CacheObservation(window=w, pods_read=1, pods_unreadable=0, problems=[],
-                               observed_at=NOW, reads=True, pods_selected=1)
+        obs = summed({("prompt_tokens", ""): 5000.0, ("recomputed_tokens", ""): 5000.0,
+                      ("dropped_writes", "storage"): dropped, ("stores", "storage"): stores})
         return observed_tiers(tpc, offloaded(tpc), obs, None, enabled=True).advice
 
     assert advice(2.0, 20.0).reason != "WritesDropped"  # 10%: not over
