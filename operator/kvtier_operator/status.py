@@ -447,14 +447,28 @@ def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
             + "; ".join(why or ["for a reason this kvtier does not know"]))
 
 
-def _dropped_advice(tier: str, dropped: float, stores: float) -> str:
-    threads = WRITE_THREADS_FIELD.get(tier)
-    more = f"more write threads ({threads})" if threads else "more write threads"
+# The backend's reason for dropping a store when the volume is at its free-space floor
+# (kvtier_offload.store); every other reason is writes not keeping up.
+FREE_SPACE_FLOOR = "free-space-floor"
+
+
+def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> str:
+    reasons = {figure.partition(":")[2]: v for (figure, t), v in w.counters.items()
+               if t == tier and figure.startswith(f"{DROPPED_WRITES}:") and v}
+    floor = reasons.pop(FREE_SPACE_FLOOR, 0.0)
+    said = ", ".join(f"{int(v)} {reason}" for reason, v in sorted(reasons.items()))
+    fixes = []
+    if reasons or not floor:
+        threads = WRITE_THREADS_FIELD.get(tier)
+        more = f"more write threads ({threads})" if threads else "more write threads"
+        fixes.append(f"its writes do not keep up ({said or 'reason unknown'}): a faster "
+                     f"volume, {more}, or a larger write queue")
+    if floor:
+        fixes.append(f"{int(floor)} at the volume's free-space floor: evict more "
+                     "(eviction.schedule, highWatermark) or grow the volume")
     return (f"the {tier} tier dropped {int(dropped)} of {int(stores)} block stores "
             f"({100.0 * dropped / stores:.0f}%, over {DROPPED_WRITES_PERCENT:g}%) rather than "
-            "write them: its writes do not keep up (the write queue's time budget, or its "
-            "free-space floor: kvtier_offload_dropped_writes_total's reason says which); "
-            f"a faster volume, {more}, or a larger write queue")
+            "write them; " + "; ".join(fixes))
 
 
 def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
@@ -490,7 +504,7 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
             w.counters.get((STORES, tier.name))
         if dropped and stores and stores >= MIN_STORES and \
                 100.0 * dropped / stores > DROPPED_WRITES_PERCENT:
-            found.append(("WritesDropped", _dropped_advice(tier.name, dropped, stores)))
+            found.append(("WritesDropped", _dropped_advice(tier.name, w, dropped, stores)))
     requests = w.counters.get(("requests", ""))
     for tier in tiers:
         skipped = tier.skipped

@@ -40,7 +40,8 @@ SHARED_HIT_TOKENS = "shared_hit_tokens"
 SHARED_TIERS_SEPARATOR = ","
 # Blocks the backend dropped rather than write (its write queue over budget, writers
 # backing off, the free-space floor) and the stores asked of the tier in all (written,
-# already there, failed or dropped).
+# already there, failed or dropped); by the backend's reason under
+# f"{DROPPED_WRITES}:{reason}".
 DROPPED_WRITES = "dropped_writes"
 STORES = "stores"
 # Gauges

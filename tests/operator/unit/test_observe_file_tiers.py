@@ -147,8 +147,12 @@ def test_dropped_writes_are_counted_per_tier_exported_and_advised(version):
     assert out.advice.reason == "WritesDropped", out.advice
     assert (f"the storage tier dropped {int(said)} of {int(stores)} block stores"
             in out.advice.message)
-    assert "a faster volume, more write threads (spec.storage.writeThreads), or a larger " \
-           "write queue" in out.advice.message
+    reasons = {labels["reason"]: v for labels, v in
+               dropped_page["kvtier_offload_dropped_writes_total"]}
+    said_reasons = ", ".join(f"{int(v)} {r}" for r, v in sorted(reasons.items()))
+    assert f"its writes do not keep up ({said_reasons}): a faster volume, more write " \
+           "threads (spec.storage.writeThreads), or a larger write queue" in out.advice.message
+    assert "free-space floor" not in out.advice.message  # no drop for that reason
     # the gauge carries it; a tier without the figure has no sample
     gauge = exported("native-kvtier.yaml", obs, "kvtier_tier_dropped_writes")
     assert gauge == {"storage": said}
@@ -166,6 +170,16 @@ def test_a_few_dropped_writes_are_no_advice():
     assert advice(2.0, 20.0).reason != "WritesDropped"  # 10%: not over
     assert advice(3.0, 19.0).reason != "WritesDropped"  # too few stores to judge
     assert advice(3.0, 20.0).reason == "WritesDropped"
+
+
+def test_writes_dropped_at_the_free_space_floor_advise_room_not_speed():
+    tpc = kvtier_tpc()
+    obs = summed({("prompt_tokens", ""): 5000.0, ("recomputed_tokens", ""): 5000.0,
+                  ("dropped_writes", "storage"): 30.0, ("stores", "storage"): 40.0,
+                  ("dropped_writes:free-space-floor", "storage"): 30.0})
+    message = observed_tiers(tpc, offloaded(tpc), obs, None, enabled=True).advice.message
+    assert "30 at the volume's free-space floor: evict more" in message
+    assert "do not keep up" not in message and "write threads" not in message
 
 
 def test_kubectl_get_wide_has_a_hit_column_per_tier_and_shows_derived_figures():

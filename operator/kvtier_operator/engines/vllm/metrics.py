@@ -217,6 +217,9 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
         if math.isfinite(stores + failed_writes):
             f.counters[(DROPPED_WRITES, tier)] = dropped
             f.counters[(STORES, tier)] = stores + failed_writes + dropped
+            for reason, count in by_label(samples, "kvtier_offload_dropped_writes_total",
+                                          "reason").items():
+                f.counters[(f"{DROPPED_WRITES}:{reason}", tier)] = count
     # The recompute bound's skips (GPU-direct mode): absent until the first, so absent is
     # no figure, not a zero (a backend without the bound never creates the series).
     skipped = by_label(samples, "kvtier_offload_tier_skipped_total", "reason")
