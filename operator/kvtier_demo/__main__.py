@@ -4,6 +4,9 @@ An in-process Kubernetes API server, the real operator and the real webhook serv
 (HTTPS). It applies an example TieredPrefixCache, admits the sample vLLM Deployment's pod
 through the webhook, moves real KV blocks through the kvtier block store into a local
 directory, runs the evictor on it, and feeds the evictor's report back into the status.
+No engine runs here: the pod's metrics endpoint replays pages captured from a real vLLM
+server (kvtier_demo.replay), read by the operator's real observation path, so the status
+ends with a real Hit, each tier's figure and the advice.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Any
 
 import yaml
 
-from kvtier_demo.cluster import free_port, live_cluster, say, until
-from kvtier_demo.table import wide
+from kvtier_demo.cluster import live_cluster, say, until
+from kvtier_demo.replay import ReplayedMetrics
+from kvtier_demo.table import table
 from kvtier_evictor.evict import Config as EvictorConfig
 from kvtier_evictor.evict import Run as EvictorRun
 from kvtier_evictor.layouts import KVTIER
@@ -104,7 +108,7 @@ async def live(out: Path) -> int:
                            "a shared tier on a claim kvtier creates)")
     name = tpc.name
     deployment = yaml.safe_load((EXAMPLES / SAMPLE).read_text())
-    async with live_cluster(out) as cluster:
+    async with live_cluster(out) as cluster, ReplayedMetrics() as replay:
         kmock, ctx, config, ca, port = (cluster.kmock, cluster.ctx, cluster.config,
                                         cluster.ca, cluster.port)
         say(f"1. kubectl apply -f examples/{EXAMPLE}")
@@ -164,21 +168,22 @@ async def live(out: Path) -> int:
         print("\n".join(difflib.unified_diff(
             dump(pod).splitlines(), dump(injected).splitlines(), "as written",
             "as admitted", lineterm="", n=1)))
-        # The pod runs: the demo's own process stands in for its /metrics (where the
-        # kvtier block store below counts what it moves), and the operator reads it.
-        from prometheus_client import start_http_server
-
-        metrics_port = free_port()
-        start_http_server(metrics_port, addr="127.0.0.1")
+        # The pod runs. No engine runs here: its /metrics replays a real vLLM server's
+        # pages (kvtier_demo.replay), which the operator reads as it reads any pod's.
         injected["metadata"].setdefault("annotations", {})[
-            "kvtier.dev/metrics-port"] = str(metrics_port)
+            "kvtier.dev/metrics-port"] = str(replay.port)
         injected["status"] = {"phase": "Running", "podIP": "127.0.0.1"}
         kmock.objects["v1/pods", NS, injected["metadata"]["name"]] = injected
         observer = config.the_observer()
         await until(lambda: (observer.snapshot(NS, name) or _NONE).pods_read,
                     "the operator's first read of the pod's metrics")
-        print(f"the operator reads the pod's metrics at 127.0.0.1:{metrics_port}/metrics "
+        print(f"the operator reads the pod's metrics at 127.0.0.1:{replay.port}/metrics "
               "every 0.5 s (30 s in a cluster)")
+        print(f"the page there is a capture from a real vLLM 0.32 API server, "
+              f"{replay.file('idle').relative_to(ROOT)} (no request yet), then "
+              f"{replay.file('loaded').relative_to(ROOT).name} (one prompt served from "
+              "kvtier's storage tier behind vLLM's CPU tier)")
+        replay.show("loaded")  # the next round's read has a difference to the first
 
         say("4. KV blocks move through the kvtier backend into the shared volume")
         volume = out / "volume"
@@ -222,8 +227,8 @@ async def live(out: Path) -> int:
                 return None
             storage: dict[str, Any] = next(
                 (t for t in status.get("tiers") or [] if t["name"] == "storage"), {})
-            if not storage.get("bytesLoaded"):  # the blocks moved, observed
-                return None
+            if not storage.get("bytesLoaded") or status.get("hitPercent") is None:
+                return None  # the replayed page's difference, observed
             return b
 
         body = await until(evicted, "status with the eviction report")
@@ -234,14 +239,27 @@ async def live(out: Path) -> int:
           f"{st['pvc']['phase']}, {st['injectedPods']} pod injected, "
           f"{st['pendingPods']} pending, last eviction {st['lastEviction']['outcome']} "
           f"({st['lastEviction']['filesDeleted']} files), usage {st['usage']['percent']}%")
-    storage = next(t for t in st["tiers"] if t["name"] == "storage")
-    latency = storage.get("loadLatency") or {}
-    print(f"storage tier over the window: {storage['bytesLoaded']:,} bytes loaded, "
-          f"{storage['bytesStored']:,} stored, {storage['failedLoads']} failed loads, "
-          f"load p50 {latency.get('p50Seconds')} s, p99 {latency.get('p99Seconds')} s; "
-          f"hit shares: {storage.get('unobserved') or 'observed'}")
+    print(f"tiers over the window, from the replayed vLLM page: Hit {st['hitPercent']}% of "
+          f"{st['recompute']['promptTokens']} prompt tokens, recomputed "
+          f"{st['recompute']['percent']}%")
+    for tier in st["tiers"]:
+        latency = (tier.get("loadLatency") or {}).get("p50Seconds")
+        figures = [f"hit {tier['hitPercent']}% ({tier['hitSource']})"
+                   if tier.get("hitPercent") is not None else "no hit figure"]
+        figures += [f"{tier[key]:,} {what}" for key, what in (
+            ("bytesLoaded", "bytes loaded"), ("bytesStored", "bytes stored"),
+            ("failedLoads", "failed loads"), ("droppedWrites", "dropped writes"))
+            if tier.get(key) is not None]
+        figures += [f"load p50 {latency} s"] if latency is not None else []
+        print(f"  {tier['name']}: " + ", ".join(figures))
+    for condition in st["conditions"]:
+        if condition["type"] in ("MetricsReadable", "TiersEffective"):
+            print(f"{condition['type']}={condition['status']} ({condition['reason']}): "
+                  f"{condition['message']}")
+    say(f"kubectl get tpc {name}")
+    print(table(body))
     say(f"kubectl get tpc {name} -o wide")
-    print(wide(body))
+    print(table(body, wide=True))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`kubectl get tpc -o wide`, as kubectl prints it from the CRD's printer columns (the
+"""`kubectl get tpc` and `-o wide`, as kubectl prints them from the CRD's printer columns (the
 columns' JSONPaths: plain fields and one `[?(@.name=="x")]` filter, all kvtier uses)."""
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ def _age(stamp: str | None, now: datetime) -> str:
     return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
 
 
-def wide(doc: dict[str, Any], now: datetime | None = None) -> str:
+def table(doc: dict[str, Any], wide: bool = False, now: datetime | None = None) -> str:
+    """`kubectl get` (wide: `-o wide`, the columns of priority 1 too)."""
     now = now or datetime.now(UTC)
     header, row = ["NAME"], [doc["metadata"]["name"]]
     for column in PRINTER_COLUMNS:
+        if column.get("priority", 0) and not wide:
+            continue
         name, kind, path = str(column["name"]), column["type"], str(column["jsonPath"])
         header.append(name.upper())
         if kind == "date":

@@ -137,7 +137,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Hit", "type": "number", "jsonPath": ".status.hitPercent"},
     *({"name": f"{title}-Hit", "type": "number",
        "jsonPath": f'.status.tiers[?(@.name=="{tier}")].hitPercent', "priority": 1}
-      for tier, title in (("gpu", "GPU"), ("cpu", "CPU"), ("storage", "Storage"))),
+      for tier, title in (("gpu", "GPU"), ("cpu", "CPU"), ("localDisk", "LocalDisk"),
+                          ("storage", "Storage"), ("objectStore", "ObjectStore"))),
     {"name": "Recompute", "type": "number", "jsonPath": ".status.recompute.percent",
      "priority": 1},
     {"name": "Last-Eviction", "type": "string", "jsonPath": ".status.lastEviction.outcome",

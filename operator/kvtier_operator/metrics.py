@@ -50,6 +50,9 @@ TIER_FAILED_LOADS = Gauge("kvtier_tier_failed_loads",
 TIER_SKIPPED = Gauge("kvtier_tier_skipped_requests",
                      "Requests that recomputed rather than wait for or load the tier, over "
                      "the window", TIER_LABELS)
+TIER_DROPPED_WRITES = Gauge("kvtier_tier_dropped_writes",
+                            "Block stores the tier's backend dropped rather than write, over "
+                            "the window", TIER_LABELS)
 TIER_USED = Gauge("kvtier_tier_used_percent", "Tier use, % of capacity", TIER_LABELS)
 TIER_CAPACITY = Gauge("kvtier_tier_capacity_bytes", "Tier capacity per pod, bytes",
                       TIER_LABELS)
@@ -61,7 +64,8 @@ HIT = Gauge("kvtier_tier_offloaded_hit_percent",
             ["namespace", "cache"])
 _TIER_FIGURES = ((TIER_HIT, "hit_percent"), (TIER_BYTES_LOADED, "bytes_loaded"),
                  (TIER_BYTES_STORED, "bytes_stored"), (TIER_FAILED_LOADS, "failed_loads"),
-                 (TIER_USED, "used_percent"), (TIER_CAPACITY, "capacity_bytes"))
+                 (TIER_USED, "used_percent"), (TIER_CAPACITY, "capacity_bytes"),
+                 (TIER_DROPPED_WRITES, "dropped_writes"))
 
 
 def _set(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:

@@ -25,6 +25,13 @@ from kvtier_operator.api.v1alpha1 import (
     TierStatus,
     UsageStatus,
 )
+from kvtier_operator.engines.figures import (
+    DROPPED_WRITES,
+    OFFLOADED,
+    SHARED_HIT_TOKENS,
+    SHARED_TIERS_SEPARATOR,
+    STORES,
+)
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
@@ -248,6 +255,12 @@ TOO_SMALL_STORAGE_SHARE = 50.0  # % of offloaded hits that came from the volume
 CPU_FULL_PERCENT = 90.0
 SKIPPED_PERCENT = 20.0  # of the requests prefilled, before a skipped tier is advice
 MIN_REQUESTS = 20
+DROPPED_WRITES_PERCENT = 10.0  # of the stores asked of a tier, before drops are advice
+MIN_STORES = 20
+# Where a tier's write threads are set, for the advice on dropped writes.
+WRITE_THREADS_FIELD = {"storage": "spec.storage.writeThreads",
+                       "localDisk": "spec.localDisk.writeThreads",
+                       "objectStore": "spec.objectStore.maxConcurrency"}
 
 
 @dataclass
@@ -274,8 +287,35 @@ def _int(value: float | None) -> int | None:
 def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
                 window: WindowSum) -> list[str]:
     out = ["gpu", *offloaded]
-    out += sorted({tier for (_, tier) in window.counters if tier and tier not in out})
+    out += sorted({tier for (figure, tier) in window.counters
+                   if tier and tier not in out and figure != SHARED_HIT_TOKENS})
     return out
+
+
+def _hits(w: WindowSum) -> tuple[dict[str, float], set[str]]:
+    """Prompt tokens served per tier over the window, and which tiers' figures are
+    derived: where the engine counts several tiers together (SHARED_HIT_TOKENS), their
+    tokens are split by each tier's bytes loaded over the window (one block holds as
+    many tokens in any tier). Without bytes loaded to split by, they stay together
+    under `offloaded`."""
+    hits = {tier: v for (figure, tier), v in w.counters.items() if figure == "hit_tokens"}
+    derived: set[str] = set()
+    for (figure, group), tokens in w.counters.items():
+        if figure != SHARED_HIT_TOKENS:
+            continue
+        tiers = group.split(SHARED_TIERS_SEPARATOR)
+        loaded = {t: w.counters.get(("bytes_loaded", t)) or 0.0 for t in tiers}
+        basis = sum(loaded.values())
+        if not tokens:
+            for t in tiers:
+                hits[t] = hits.get(t, 0.0)
+        elif basis > 0:
+            for t in tiers:
+                hits[t] = hits.get(t, 0.0) + tokens * loaded[t] / basis
+            derived.update(tiers)
+        else:
+            hits[OFFLOADED] = hits.get(OFFLOADED, 0.0) + tokens
+    return hits, derived
 
 
 def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
@@ -311,7 +351,10 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     else:
         no_traffic = "no prompt tokens over the window"
     tiers = []
-    for name in _tier_names(tpc, offloaded, w):
+    hit_tokens, derived = _hits(w) if w.pods_with_steps else ({}, set())
+    names = _tier_names(tpc, offloaded, w)
+    names += [t for t in hit_tokens if t not in names]
+    for name in names:
         def counter(figure: str, tier: str = name) -> float | None:
             return w.counters.get((figure, tier)) if w.pods_with_steps else None
 
@@ -320,7 +363,7 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
             values = w.gauges.get((figure, tier))
             return pick(values) if values else None
 
-        hits = counter("hit_tokens")
+        hits = hit_tokens.get(name)
         buckets = w.buckets(("load_seconds", name))
         p50, p99 = quantile(0.5, buckets), quantile(0.99, buckets)
         reasons = sorted({why for (fig, tier), why in w.missing.items()
@@ -330,11 +373,14 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
             reasons.insert(0, no_traffic)
         status = TierStatus(
             name=name, hit_percent=_pct(hits, prompt), hit_tokens=_int(hits),
+            hit_source=None if hits is None else "derived" if name in derived else "engine",
             bytes_loaded=_int(counter("bytes_loaded")), bytes_stored=_int(counter("bytes_stored")),
             load_latency=LatencyStatus(p50_seconds=_round(p50), p99_seconds=_round(p99))
             if p50 is not None else None,
             failed_loads=_int(counter("failed_loads")),
             skipped=_skipped(counter, counter("requests", "")),
+            dropped_writes=_int(counter(DROPPED_WRITES)),
+            dropped_writes_percent=_pct(counter(DROPPED_WRITES), counter(STORES)),
             capacity_bytes=_int(gauge("capacity_bytes")),
             capacity_tokens=_int(gauge("capacity_tokens")),
             used_percent=_round(gauge("used_percent", pick=lambda v: sum(v) / len(v))),
@@ -347,7 +393,7 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     recomputed = w.counters.get(("recomputed_tokens", "")) if w.pods_with_steps else None
     out.recompute = RecomputeStatus(percent=_pct(recomputed, prompt), tokens=_int(recomputed),
                                     prompt_tokens=_int(prompt), observed_at=obs.observed_at)
-    offloaded_hits = [t.hit_tokens for t in tiers if t.name != "gpu" and t.hit_tokens is not None]
+    offloaded_hits = [v for t, v in hit_tokens.items() if t != "gpu"]
     out.hit_percent = _pct(sum(offloaded_hits), prompt) if offloaded_hits else None
     capacity = w.gauges.get(("capacity_tokens", "cpu"))
     out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
@@ -401,6 +447,30 @@ def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
             + "; ".join(why or ["for a reason this kvtier does not know"]))
 
 
+# The backend's reason for dropping a store when the volume is at its free-space floor
+# (kvtier_offload.store); every other reason is writes not keeping up.
+FREE_SPACE_FLOOR = "free-space-floor"
+
+
+def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> str:
+    reasons = {figure.partition(":")[2]: v for (figure, t), v in w.counters.items()
+               if t == tier and figure.startswith(f"{DROPPED_WRITES}:") and v}
+    floor = reasons.pop(FREE_SPACE_FLOOR, 0.0)
+    said = ", ".join(f"{int(v)} {reason}" for reason, v in sorted(reasons.items()))
+    fixes = []
+    if reasons or not floor:
+        threads = WRITE_THREADS_FIELD.get(tier)
+        more = f"more write threads ({threads})" if threads else "more write threads"
+        fixes.append(f"its writes do not keep up ({said or 'reason unknown'}): a faster "
+                     f"volume, {more}, or a larger write queue")
+    if floor:
+        fixes.append(f"{int(floor)} at the volume's free-space floor: evict more "
+                     "(eviction.schedule, highWatermark) or grow the volume")
+    return (f"the {tier} tier dropped {int(dropped)} of {int(stores)} block stores "
+            f"({100.0 * dropped / stores:.0f}%, over {DROPPED_WRITES_PERCENT:g}%) rather than "
+            "write them; " + "; ".join(fixes))
+
+
 def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
             prompt: float | None, run: EvictorRun | None) -> Cond:
     by = {t.name: t for t in tiers}
@@ -429,6 +499,12 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
                           f"token, computing {per_compute * 1e6:.1f} us (the engine's prefill "
                           "time); a faster volume, or fewer tokens per file "
                           "(router.blockSize), or no shared tier for this model"))
+    for tier in tiers:
+        dropped, stores = w.counters.get((DROPPED_WRITES, tier.name)), \
+            w.counters.get((STORES, tier.name))
+        if dropped and stores and stores >= MIN_STORES and \
+                100.0 * dropped / stores > DROPPED_WRITES_PERCENT:
+            found.append(("WritesDropped", _dropped_advice(tier.name, w, dropped, stores)))
     requests = w.counters.get(("requests", ""))
     for tier in tiers:
         skipped = tier.skipped

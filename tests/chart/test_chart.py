@@ -194,3 +194,21 @@ def test_dashboard_queries_only_metrics_that_exist():
     (cm,) = [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("dashboard")]
     assert json.loads(cm["data"]["kvtier.json"]) == dashboard
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_the_prometheus_url_value_reaches_the_observer_s_reads():
+    """observe.prometheusURL (Helm values) -> the Deployment's env -> the settings the
+    operator starts with (app.observe_settings) -> the reads (ReadSettings): read from
+    that Prometheus. Unset: the env is absent and the pods are read."""
+    from kvtier_operator.app import observe_settings
+
+    def settings(*sets: str):
+        (deployment,) = by_kind(render(*sets), "Deployment")
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        return observe_settings({e["name"]: e["value"] for e in c["env"]})
+
+    url = "http://prometheus-operated.monitoring:9090"
+    assert settings(f"observe.prometheusURL={url}").reads.prometheus_url == url
+    assert settings().reads.prometheus_url is None
+    refused = helm("template", "rel", str(CHART), "--set", "observe.prometheusURL=prom:9090")
+    assert refused.returncode != 0 and "prometheusURL" in refused.stderr

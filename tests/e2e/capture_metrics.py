@@ -26,6 +26,16 @@ vLLM's version in its file name (NAMES, in order):
   wrote them): after WARM_UP other prompts (the engine has measured its prefill rate)
   each cached prompt recomputes rather than wait for the volume, and
   `kvtier_offload_tier_skipped_total` counts it (`gpu-direct-s-skipped`).
+- `cpu-local-storage-v`: kvtier's local-disk tier and its storage tier behind the CPU
+  tier (examples/native-local-disk.yaml). One server answers prompt 1 (its blocks go to
+  the shared volume, and to a local disk of its own), another prompt 2 (into the local
+  disk that a third server then opens, and the volume). The third, its CPU tier empty,
+  answers both: prompt 1 from the volume, prompt 2 from the local disk. vLLM counts both
+  as source "disk"; kvtier's series say which tier served which (`-v-idle`, `-v-hit`).
+- `cpu-storage-w`: kvtier's storage tier on a slow volume (every open of a temp file
+  first sleeps SLOW_MS, the same shim) with one write thread and a write queue of
+  DROP_QUEUE_S: the stores that wait longer are dropped, and
+  `kvtier_offload_dropped_writes_total` counts them (`-w-idle`, `-w-dropped`).
 
 Takes a few minutes per name on 2 cores; --cpu-only skips the GPU-direct servers.
 """
@@ -51,12 +61,15 @@ from tests.e2e.observe_server import (
 from tests.helpers import ROOT
 
 OUT = ROOT / "tests" / "fixtures" / "metrics"
-NAMES = ("gpu-direct", "cpu-tier-c", "cpu-storage-t", "cpu-storage-u", "gpu-direct-s")
+NAMES = ("gpu-direct", "cpu-tier-c", "cpu-storage-t", "cpu-storage-u", "gpu-direct-s",
+         "cpu-local-storage-v", "cpu-storage-w")
 GPU_DIRECT = ("gpu-direct", "gpu-direct-s")
 SHIM = ROOT / "tests" / "e2e" / "shims" / "slow_volume.c"
 SLOW_MS = 1500
 WARM_UP = (41, 42, 43, 44)  # other prompts, never cached: the prefill rate is measured
 CACHED = tuple(range(1, 25))  # prompts whose blocks the slow volume holds (6 files each)
+DROP_QUEUE_S = 0.5  # cpu-storage-w: the storage tier's write queue, seconds
+DROP_PROMPTS = tuple(range(51, 59))  # cpu-storage-w: prompts whose stores queue up
 
 
 def _files_landed(root: Path, count: int, within_s: float = 30) -> None:
@@ -115,16 +128,17 @@ def capture(out: Path, names: tuple[str, ...] = NAMES) -> list[Path]:
                 complete(url)
                 pages["cpu-storage-u-loaded"] = metrics_page(url, settle_s=3)
             save(pages)
+        if "cpu-local-storage-v" in names:
+            save(_local_and_shared(model, Path(tmp)))
+        if "cpu-storage-w" in names:
+            save(_dropped_writes(model, Path(tmp)))
         if "gpu-direct-s" in names:
             slow_root = Path(tmp) / "S"
             with api_server(model, slow_root, Path(tmp) / "s-store.log") as url:
                 for seed in CACHED:
                     complete(url, seed=seed, max_tokens=1)
             _files_landed(slow_root, 6 * len(CACHED))
-            shim = Path(tmp) / "slow_volume.so"
-            gcc = shutil.which("gcc") or shutil.which("cc") or "gcc"
-            subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(shim), str(SHIM), "-ldl"],
-                           check=True)
+            shim = _shim(Path(tmp))
             with api_server(model, slow_root, Path(tmp) / "s.log",
                             extra_config={"recompute_bound": True},
                             extra_env={"LD_PRELOAD": str(shim),
@@ -138,6 +152,47 @@ def capture(out: Path, names: tuple[str, ...] = NAMES) -> list[Path]:
                 pages["gpu-direct-s-skipped"] = metrics_page(url, settle_s=3)
             save(pages)
     return written
+
+
+def _shim(tmp: Path) -> Path:
+    shim = tmp / "slow_volume.so"
+    if not shim.exists():
+        gcc = shutil.which("gcc") or shutil.which("cc") or "gcc"
+        subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(shim), str(SHIM), "-ldl"],
+                       check=True)
+    return shim
+
+
+def _local_and_shared(model: Path, tmp: Path) -> dict[str, str]:
+    """cpu-local-storage-v (see the module docstring)."""
+    shared, local = tmp / "V", tmp / "V-local"
+    for seed, disk in ((1, tmp / "V-other-node"), (2, local)):
+        with api_server(model, None, tmp / f"v-store-{seed}.log",
+                        kv=tiering_config(shared, local=disk)) as url:
+            complete(url, seed=seed)
+            _files_landed(disk, 3)
+            _files_landed(shared, 3 * seed)
+    with api_server(model, None, tmp / "v.log",
+                    kv=tiering_config(shared, local=local)) as url:
+        pages = {"cpu-local-storage-v-idle": metrics_page(url)}
+        complete(url, seed=1)
+        complete(url, seed=2)
+        pages["cpu-local-storage-v-hit"] = metrics_page(url, settle_s=3)
+    return pages
+
+
+def _dropped_writes(model: Path, tmp: Path) -> dict[str, str]:
+    """cpu-storage-w (see the module docstring)."""
+    kv = tiering_config(tmp / "W", n_write_threads=1, write_queue_seconds=DROP_QUEUE_S)
+    with api_server(model, None, tmp / "w.log", kv=kv,
+                    extra_env={"LD_PRELOAD": str(_shim(tmp)),
+                               "KVTIER_TEST_SLOW_SUFFIX": ".tmp",
+                               "KVTIER_TEST_SLOW_MS": str(SLOW_MS)}) as url:
+        pages = {"cpu-storage-w-idle": metrics_page(url)}
+        for seed in DROP_PROMPTS:
+            complete(url, seed=seed, max_tokens=2)
+        pages["cpu-storage-w-dropped"] = metrics_page(url, settle_s=3 + SLOW_MS / 1000)
+    return pages
 
 
 def main(argv: list[str]) -> None:

@@ -77,23 +77,29 @@ def cpu_tier_config() -> dict:
                 "cpu_bytes_to_use": CPU_TIER_BYTES}}
 
 
-def tiering_config(root: Path) -> dict:
+def tiering_config(root: Path, local: Path | None = None, **tier_settings: object) -> dict:
     """What the operator renders for a CPU tier and kvtier's storage tier
     (examples/native-kvtier.yaml), on root, the CPU tier CPU_TIER_BYTES, its spec the
-    one whose worker moves no data (tests/e2e/noop_cpu_spec.py)."""
+    one whose worker moves no data (tests/e2e/noop_cpu_spec.py). local: also kvtier's
+    local-disk tier there, before the storage tier (examples/native-local-disk.yaml).
+    tier_settings: more or other settings of the storage tier (e.g. write_queue_seconds)."""
     from kvtier_operator.render.connector import kv_transfer_config as rendered_config
     from kvtier_operator.validation import parse_tpc
     from tests.helpers import example
 
-    rendered = rendered_config(parse_tpc(example("native-kvtier.yaml")))
+    name = "native-kvtier.yaml" if local is None else "native-local-disk.yaml"
+    rendered = rendered_config(parse_tpc(example(name)))
     extra = rendered["kv_connector_extra_config"]
     assert extra["spec_name"] == "TieringOffloadingSpec", extra
-    (tier,) = extra["secondary_tiers"]
-    tier = tier | {"root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}
+    *disk, tier = extra["secondary_tiers"]
+    assert len(disk) == (local is not None), extra
+    threads = {"n_read_threads": 2, "n_write_threads": 2}
+    tiers = [t | {"root_dir": str(local)} | threads for t in disk]
+    tiers.append(tier | {"root_dir": str(root)} | threads | tier_settings)
     extra = extra | {"spec_name": "NoopTieringOffloadingSpec",
                      "spec_module_path": "tests.e2e.noop_cpu_spec",
                      "cpu_bytes_to_use": CPU_TIER_BYTES, "block_size": 2 * BLOCK_SIZE,
-                     "secondary_tiers": [tier]}
+                     "secondary_tiers": tiers}
     return rendered | {"kv_connector_extra_config": extra}
 
 

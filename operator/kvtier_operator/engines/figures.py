@@ -33,6 +33,17 @@ REQUESTS = "requests"  # requests the engine prefilled
 # tier, which would have cost more than recompute (kvtier's recompute bound); the total,
 # and by reason under f"{SKIPPED_REQUESTS}:{reason}".
 SKIPPED_REQUESTS = "skipped_requests"
+# Prompt tokens one engine counter gives for several tiers together (vLLM's source
+# "disk": any of kvtier's file and object tiers); the key's tier names them, joined by
+# SHARED_TIERS_SEPARATOR, and status splits the tokens among them by their bytes loaded.
+SHARED_HIT_TOKENS = "shared_hit_tokens"
+SHARED_TIERS_SEPARATOR = ","
+# Blocks the backend dropped rather than write (its write queue over budget, writers
+# backing off, the free-space floor) and the stores asked of the tier in all (written,
+# already there, failed or dropped); by the backend's reason under
+# f"{DROPPED_WRITES}:{reason}".
+DROPPED_WRITES = "dropped_writes"
+STORES = "stores"
 # Gauges
 CAPACITY_BYTES = "capacity_bytes"
 CAPACITY_TOKENS = "capacity_tokens"

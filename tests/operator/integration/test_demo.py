@@ -35,16 +35,26 @@ def test_make_demo_runs_the_whole_system(tmp_path):
             "last eviction freed") in out
     blocks = [f for _, _, fs in os.walk(tmp_path / "volume") for f in fs if f.endswith(".kvb")]
     assert 0 < len(blocks) < 48  # some evicted, the most recent kept
-    # the operator read the pod's metrics: the blocks moved are the storage tier's figures
-    # (48 x 1 MiB each way, none failed); no vLLM here, so no prompt-token shares
-    assert ("storage tier over the window: 50,331,648 bytes loaded, 50,331,648 stored, "
-            "0 failed loads, load p50 ") in out
-    assert "hit shares: vllm:prompt_tokens is absent" in out
+    # the operator read the pod's metrics, a real vLLM server's captured pages replayed
+    # (idle, then after one prompt served from the storage tier), through its real path
+    assert ("the page there is a capture from a real vLLM 0.32 API server, "
+            "tests/fixtures/metrics/vllm-0.32-cpu-storage-u-idle.txt") in out
+    assert "Hit 96.0% of 200 prompt tokens, recomputed 4.0%" in out
+    assert "  storage: hit 96.0% (engine), 393,216 bytes loaded, 0 failed loads" in out
+    assert "TiersEffective=True (TiersEffective): no advice" in out
+    short = out.split("=== kubectl get tpc qwen3-tiered\n")[1].splitlines()
+    assert short[0].split() == ["NAME", "READY", "STORAGE", "INJECTED", "USAGE", "HIT", "AGE"]
+    assert float(short[1].split()[5]) == 96.0  # the Hit column is a number
     table = out.split("=== kubectl get tpc qwen3-tiered -o wide\n")[1].splitlines()
-    assert table[0].split() == ["NAME", "READY", "STORAGE", "INJECTED", "PENDING", "USAGE",
-                                "HIT", "GPU-HIT", "CPU-HIT", "STORAGE-HIT", "RECOMPUTE",
-                                "LAST-EVICTION", "AGE"]
-    assert table[1].split()[:2] == ["qwen3-tiered", "True"]
+    header = table[0].split()
+    assert header == ["NAME", "READY", "STORAGE", "INJECTED", "PENDING", "USAGE", "HIT",
+                      "GPU-HIT", "CPU-HIT", "LOCALDISK-HIT", "STORAGE-HIT",
+                      "OBJECTSTORE-HIT", "RECOMPUTE", "LAST-EVICTION", "AGE"]
+    row = dict(zip(header, table[1].split(), strict=True))
+    assert row["NAME"] == "qwen3-tiered" and row["READY"] == "True"
+    assert float(row["HIT"]) == 96.0 and float(row["STORAGE-HIT"]) == 96.0
+    assert float(row["CPU-HIT"]) == 0.0 and float(row["RECOMPUTE"]) == 4.0
+    assert row["LOCALDISK-HIT"] == row["OBJECTSTORE-HIT"] == "<none>"  # not configured
 
 
 @pytest.mark.parametrize(("example", "needles"), [

@@ -96,6 +96,11 @@ class TierStatus(ApiModel):
     hit_percent: float | None = Field(
         default=None, description="Share of prompt tokens served from this tier, %.")
     hit_tokens: int | None = Field(default=None, description="Prompt tokens served from it.")
+    hit_source: Literal["engine", "derived"] | None = Field(
+        default=None, description="engine: the engine counts this tier's hits itself; "
+        "derived: the engine counts them together with other tiers (vLLM's source disk "
+        "covers localDisk, storage and objectStore), and kvtier split that count by each "
+        "tier's bytes loaded over the window.")
     bytes_loaded: int | None = Field(default=None, description="Bytes loaded from it.")
     bytes_stored: int | None = Field(default=None, description="Bytes stored into it.")
     load_latency: LatencyStatus | None = Field(
@@ -105,6 +110,13 @@ class TierStatus(ApiModel):
     skipped: SkippedStatus | None = Field(
         default=None, description="Requests that recomputed rather than wait for or load "
         "this tier, where the backend counts them (kvtier's tiers in GPU-direct mode).")
+    dropped_writes: int | None = Field(
+        default=None, description="Block stores the backend dropped rather than write (its "
+        "write queue over budget, writers backing off, the free-space floor), where it "
+        "counts them (kvtier_offload_dropped_writes; from the first drop).")
+    dropped_writes_percent: float | None = Field(
+        default=None, description="Share of the block stores asked of this tier that were "
+        "dropped, %.")
     capacity_bytes: int | None = Field(default=None, description="Capacity per pod, bytes.")
     capacity_tokens: int | None = Field(default=None, description="Capacity per pod, tokens.")
     used_percent: float | None = Field(default=None, description="Use, % of capacity.")

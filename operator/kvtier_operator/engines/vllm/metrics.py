@@ -15,9 +15,14 @@ real API servers, tests/fixtures/metrics/).
 - kvtier's backend (the files): `kvtier_offload_bytes`, `_operations` (failed loads:
   any load outcome but ok, and `_corrupt_files`: files refused on load),
   `_latency_seconds` (load p50/p99), `_tier_skipped` (requests that recomputed rather than
-  wait for or load the tier, by reason; the series appears at the first skip). They reach /metrics
-  through vLLM's stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec,
-  and in GPU-direct mode through prometheus-client's multiprocess directory that kvtier
+  wait for or load the tier, by reason; the series appears at the first skip),
+  `_dropped_writes` (stores dropped rather than written, by reason; from the first drop)
+  beside the stores asked (`_operations{direction="store"}`, `_failed_writes`), each
+  series labelled by its tier (localDisk, storage, objectStore). Where several of those
+  tiers are configured, vLLM's "disk" hits cover them together (SHARED_HIT_TOKENS),
+  which status splits by each tier's bytes loaded. They reach /metrics through vLLM's
+  stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec, and in
+  GPU-direct mode through prometheus-client's multiprocess directory that kvtier
   renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
 - Capacity: 0.33's `vllm:kv_offload_config_info` (cpu_kv_cache_size_bytes and _tokens,
   cpu_num_chunks x cpu_blocks_per_chunk); use: `vllm:kv_offload_cpu_cache_usage_perc`,
@@ -33,6 +38,7 @@ from kvtier_operator.engines.figures import (
     BYTES_STORED,
     CAPACITY_BYTES,
     CAPACITY_TOKENS,
+    DROPPED_WRITES,
     FAILED_LOADS,
     HIT_TOKENS,
     LOAD_SECONDS,
@@ -43,7 +49,10 @@ from kvtier_operator.engines.figures import (
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
     REQUESTS,
+    SHARED_HIT_TOKENS,
+    SHARED_TIERS_SEPARATOR,
     SKIPPED_REQUESTS,
+    STORES,
     USED_PERCENT,
     Labels,
     PodFigures,
@@ -78,7 +87,8 @@ FAMILIES = frozenset({
     "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME,
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
     "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
-    "kvtier_offload_tier_skipped",
+    "kvtier_offload_tier_skipped", "kvtier_offload_dropped_writes",
+    "kvtier_offload_failed_writes",
 })
 
 
@@ -114,9 +124,13 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     if by_source:
         for source, tokens in by_source.items():
             tier = SOURCE_TIER.get(source)
-            if source == "disk":  # one tier of files or objects, or which is unknown
+            if source == "disk":  # kvtier's tiers of files or objects
                 disks = [t for t in offloaded if t in KVTIER_TIERS]
-                tier = disks[0] if len(disks) == 1 else OFFLOADED
+                if len(disks) > 1:  # together: status splits them by each one's loads
+                    key = (SHARED_HIT_TOKENS, SHARED_TIERS_SEPARATOR.join(disks))
+                    f.counters[key] = f.counters.get(key, 0.0) + tokens
+                    continue
+                tier = disks[0] if disks else OFFLOADED
             if tier is None:  # external_unspecified: the only offloaded tier, if one
                 tier = offloaded[0] if len(offloaded) == 1 else OFFLOADED
             if tier != "gpu" and tier != OFFLOADED and tier not in offloaded:
@@ -193,6 +207,19 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
     failed = sum(v for k, v in outcomes.items() if k != "ok") + refused
     f.counters[(FAILED_LOADS, tier)] = failed
     f.counters[(LOADS, tier)] = outcomes.get("ok", 0.0) + failed
+    # Stores dropped rather than written: absent until the first, like the skips below
+    # (a backend that never dropped has no series; absent is no figure, not a zero).
+    dropped = total(samples, "kvtier_offload_dropped_writes_total")
+    if dropped is not None:
+        stores = sum(v for labels, v in samples.get("kvtier_offload_operations_total", ())
+                     if labels.get("direction") == "store")
+        failed_writes = sum(v for _, v in samples.get("kvtier_offload_failed_writes_total", ()))
+        if math.isfinite(stores + failed_writes):
+            f.counters[(DROPPED_WRITES, tier)] = dropped
+            f.counters[(STORES, tier)] = stores + failed_writes + dropped
+            for reason, count in by_label(samples, "kvtier_offload_dropped_writes_total",
+                                          "reason").items():
+                f.counters[(f"{DROPPED_WRITES}:{reason}", tier)] = count
     # The recompute bound's skips (GPU-direct mode): absent until the first, so absent is
     # no figure, not a zero (a backend without the bound never creates the series).
     skipped = by_label(samples, "kvtier_offload_tier_skipped_total", "reason")
