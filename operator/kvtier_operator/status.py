@@ -462,7 +462,7 @@ def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> s
         threads = WRITE_THREADS_FIELD.get(tier)
         more = f"more write threads ({threads})" if threads else "more write threads"
         fixes.append(f"its writes do not keep up ({said or 'reason unknown'}): a faster "
-                     f"volume, {more}, or a larger write queue")
+                     f"volume or {more}")
     if floor:
         fixes.append(f"{int(floor)} at the volume's free-space floor: evict more "
                      "(eviction.schedule, highWatermark) or grow the volume")
