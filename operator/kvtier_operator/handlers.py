@@ -104,25 +104,8 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
     invalid = any(c.reason == "InvalidSpec" for c in outcome.status.conditions or [])
     metrics.RECONCILES.labels("invalid" if invalid else "ok" if outcome.ok else "degraded").inc()
-    if not invalid:
-        labels = (meta.get("namespace", ""), meta.get("name", ""))
-        st = outcome.status
-        metrics.INJECTED_PODS.labels(*labels).set(st.injected_pods or 0)
-        metrics.PENDING_PODS.labels(*labels).set(st.pending_pods or 0)
-        metrics.READY.labels(*labels).set(
-            st.conditions is not None and st.conditions[0].status == "True")
-        if st.usage is not None and st.usage.percent is not None:
-            metrics.VOLUME_USAGE.labels(*labels).set(st.usage.percent)
-        if st.last_eviction is not None:
-            metrics.EVICTED_FILES.labels(*labels).set(st.last_eviction.files_deleted or 0)
-            metrics.EVICTED_BYTES.labels(*labels).set(st.last_eviction.bytes_freed or 0)
-            last = st.last_eviction
-            if last.events_published is not None:
-                for outcome_, count in (("published", last.events_published),
-                                        ("dropped", last.events_dropped),
-                                        ("ignored", last.events_ignored)):
-                    metrics.EVICTION_EVENTS.labels(*labels, outcome_).set(count or 0)
-        metrics.export_tiers(labels, st)
+    metrics.export_status((meta.get("namespace", ""), meta.get("name", "")), outcome.status,
+                          valid=not invalid)
     return outcome
 
 
@@ -187,6 +170,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.on.event(*TPC, id="kvtier_cache_registry", registry=registry)
     def observe_cache(type: str | None, body: kopf.Body, **_: Any) -> None:
         config.caches.observe(type or "ADDED", dict(body))
+        if type == "DELETED":  # no delete handler (no finalizer): the watch says so
+            meta = body.get("metadata") or {}
+            metrics.forget_cache((meta.get("namespace", ""), meta.get("name", "")))
 
     state: dict[str, asyncio.Task[None] | None] = {"drift": None, "observe": None}
 
