@@ -26,8 +26,10 @@ from kvtier_operator.api.v1alpha1 import (
     UsageStatus,
 )
 from kvtier_operator.engines.figures import (
+    BYTES_LOADED,
     DROPPED_WRITES,
     OFFLOADED,
+    PROMOTED_BYTES,
     SHARED_HIT_TOKENS,
     SHARED_TIERS_SEPARATOR,
     STORES,
@@ -292,24 +294,35 @@ def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     return out
 
 
+def _split_basis(w: WindowSum, tiers: list[str]) -> dict[str, float] | None:
+    """What to split several tiers' shared hits by: each tier's bytes loaded (kvtier's
+    backend), else the bytes the engine promoted from it, whichever every one of them
+    has a figure for; None where neither (a missing figure is never taken as a zero)."""
+    for figure in (BYTES_LOADED, PROMOTED_BYTES):
+        basis = {t: w.counters.get((figure, t)) for t in tiers}
+        if all(v is not None and v >= 0 for v in basis.values()):
+            return {t: v or 0.0 for t, v in basis.items()}
+    return None
+
+
 def _hits(w: WindowSum) -> tuple[dict[str, float], set[str]]:
     """Prompt tokens served per tier over the window, and which tiers' figures are
     derived: where the engine counts several tiers together (SHARED_HIT_TOKENS), their
     tokens are split by each tier's bytes loaded over the window (one block holds as
-    many tokens in any tier). Without bytes loaded to split by, they stay together
-    under `offloaded`."""
+    many tokens in any tier; _split_basis). Without a figure for every one of them, or
+    with none loaded, they stay together under `offloaded`."""
     hits = {tier: v for (figure, tier), v in w.counters.items() if figure == "hit_tokens"}
     derived: set[str] = set()
     for (figure, group), tokens in w.counters.items():
         if figure != SHARED_HIT_TOKENS:
             continue
         tiers = group.split(SHARED_TIERS_SEPARATOR)
-        loaded = {t: w.counters.get(("bytes_loaded", t)) or 0.0 for t in tiers}
-        basis = sum(loaded.values())
+        loaded = _split_basis(w, tiers)
+        basis = sum(loaded.values()) if loaded else 0.0
         if not tokens:
             for t in tiers:
                 hits[t] = hits.get(t, 0.0)
-        elif basis > 0:
+        elif loaded and basis > 0:
             for t in tiers:
                 hits[t] = hits.get(t, 0.0) + tokens * loaded[t] / basis
             derived.update(tiers)

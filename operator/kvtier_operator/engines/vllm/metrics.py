@@ -46,6 +46,7 @@ from kvtier_operator.engines.figures import (
     LOADS,
     OFFLOADED,
     PREFILL_SECONDS,
+    PROMOTED_BYTES,
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
     REQUESTS,
@@ -76,6 +77,7 @@ KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direc
                     "itself must point it at an empty directory)")
 CONFIG_INFO = "vllm:kv_offload_config_info"
 TIERING_READ_TIME = "vllm:kv_offload_tiering_read_time"
+TIERING_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 CPU_INFO_LABELS = ("cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes",
                    "cpu_kv_cache_size_tokens")
 # Every family read below (the observer parses only these).
@@ -84,7 +86,7 @@ FAMILIES = frozenset({
     "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
     "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
-    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME,
+    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME, TIERING_READ_BYTES,
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
     "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
     "kvtier_offload_tier_skipped", "kvtier_offload_dropped_writes",
@@ -152,17 +154,20 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
 
 def _promotions(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     """Each tier behind the CPU tier: the time vLLM spent promoting blocks from it (its
-    loads), for the advice only. vLLM creates the series at a tier's first promotion:
-    until then (or where a value is not finite) the figure is absent, never a zero."""
-    times: dict[str, float] = {}
-    for labels, value in samples.get(f"{TIERING_READ_TIME}_total", ()):
-        index, _, _ = labels.get("tier", "").partition(":")
-        if index.isdigit() and 0 < int(index) < len(offloaded):
-            tier = offloaded[int(index)]
-            times[tier] = times.get(tier, 0.0) + value
-    for tier, seconds in times.items():
-        if math.isfinite(seconds):
-            f.counters[(LOAD_TIME, tier)] = seconds
+    loads, for the advice) and the bytes it promoted (the basis for splitting vLLM's
+    "disk" hits where a tier's backend counts no bytes loaded: vLLM's own fs tier). vLLM
+    creates the series at a tier's first promotion: until then (or where a value is not
+    finite) the figure is absent, never a zero."""
+    for family, figure in ((TIERING_READ_TIME, LOAD_TIME), (TIERING_READ_BYTES, PROMOTED_BYTES)):
+        per_tier: dict[str, float] = {}
+        for labels, value in samples.get(f"{family}_total", ()):
+            index, _, _ = labels.get("tier", "").partition(":")
+            if index.isdigit() and 0 < int(index) < len(offloaded):
+                tier = offloaded[int(index)]
+                per_tier[tier] = per_tier.get(tier, 0.0) + value
+        for tier, value in per_tier.items():
+            if math.isfinite(value) and value >= 0:
+                f.counters[(figure, tier)] = value
 
 
 def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
@@ -176,7 +181,15 @@ def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None
         return
     labelled = _by_tier(samples)
     for tier in tiers:
-        _kvtier_tier(f, labelled.get(tier, {}), tier)
+        if tier not in labelled:
+            # No series of kvtier's for this tier: another backend serves it (vLLM's own
+            # fs tier under storage.backend vllm-fs exports none): no figures, no zeros.
+            for key in ((FAILED_LOADS, tier), (LOAD_SECONDS, tier), (BYTES_LOADED, tier)):
+                f.missing.setdefault(key, f"no kvtier_offload_* series for the {tier} tier "
+                                     "(a backend other than kvtier's, such as vLLM's fs "
+                                     "tier, exports none)")
+            continue
+        _kvtier_tier(f, labelled[tier], tier)
 
 
 def _by_tier(samples: Samples) -> dict[str, dict[str, list[tuple[Labels, float]]]]:
