@@ -259,6 +259,11 @@ SKIPPED_PERCENT = 20.0  # of the requests prefilled, before a skipped tier is ad
 MIN_REQUESTS = 20
 DROPPED_WRITES_PERCENT = 10.0  # of the stores asked of a tier, before drops are advice
 MIN_STORES = 20
+# The most characters of an advice or metrics condition's message (and of its Event):
+# figures, reasons and problems come from pods, so nothing they say grows it further.
+MAX_MESSAGE = 2000
+# Dropped-write reasons a WritesDropped message names, the largest first.
+MAX_REASONS_SAID = 6
 # Where a tier's write threads are set, for the advice on dropped writes.
 WRITE_THREADS_FIELD = {"storage": "spec.storage.writeThreads",
                        "localDisk": "spec.localDisk.writeThreads",
@@ -444,6 +449,10 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
     return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
 
 
+def _bounded(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
+
+
 def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
     share = 100.0 * (skipped.requests or 0) / requests
     why = []
@@ -469,7 +478,8 @@ def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> s
     reasons = {figure.partition(":")[2]: v for (figure, t), v in w.counters.items()
                if t == tier and figure.startswith(f"{DROPPED_WRITES}:") and v}
     floor = reasons.pop(FREE_SPACE_FLOOR, 0.0)
-    said = ", ".join(f"{int(v)} {reason}" for reason, v in sorted(reasons.items()))
+    largest = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_REASONS_SAID]
+    said = ", ".join(f"{int(v)} {reason[:40]}" for reason, v in largest)
     fixes = []
     if reasons or not floor:
         threads = WRITE_THREADS_FIELD.get(tier)
@@ -549,7 +559,7 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
                       f"last evictor run (highWatermark {high}%); run it more often "
                       "(eviction.schedule), lower minIdle, or grow the claim"))
     if found:
-        return Cond("False", found[0][0], "; ".join(m for _, m in found))
+        return Cond("False", found[0][0], _bounded("; ".join(m for _, m in found)))
     if not prompt:
         return Cond("Unknown", "NotEnoughTraffic", "no prompt tokens over the window yet")
     return Cond("True", "TiersEffective",

@@ -75,6 +75,17 @@ KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direc
                     "PROMETHEUS_MULTIPROC_DIR, which kvtier renders for this mode (a pod "
                     "injected by an older kvtier lacks it: restart it; one that sets it "
                     "itself must point it at an empty directory)")
+# The reasons kvtier's backend labels its dropped stores and skipped requests with
+# (offload/kvtier_offload: store.py and object_store.py "queue-full" and
+# "free-space-floor", write_admission.py's WriteAdmission.late "stale" and "backoff",
+# vllm_spec.py "staging-full" and "partial-file"; recompute_bound.py LOOKUP_WAIT and
+# LOAD_SLOWER). This reader may not import the backend: keep these in step with it
+# (tests/operator/unit/test_observe_hostile_reasons.py checks). Any other label a pod
+# sends is counted under OTHER_REASON, so a pod cannot grow the status or its messages.
+DROP_REASONS = frozenset({"queue-full", "stale", "backoff", "free-space-floor",
+                          "staging-full", "partial-file"})
+SKIP_REASONS = frozenset({"lookup-wait", "load-slower"})
+OTHER_REASON = "other"
 CONFIG_INFO = "vllm:kv_offload_config_info"
 TIERING_READ_TIME = "vllm:kv_offload_tiering_read_time"
 TIERING_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
@@ -230,15 +241,16 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
         if math.isfinite(stores + failed_writes):
             f.counters[(DROPPED_WRITES, tier)] = dropped
             f.counters[(STORES, tier)] = stores + failed_writes + dropped
-            for reason, count in by_label(samples, "kvtier_offload_dropped_writes_total",
-                                          "reason").items():
+            for reason, count in _known(by_label(
+                    samples, "kvtier_offload_dropped_writes_total", "reason"),
+                    DROP_REASONS).items():
                 f.counters[(f"{DROPPED_WRITES}:{reason}", tier)] = count
     # The recompute bound's skips (GPU-direct mode): absent until the first, so absent is
     # no figure, not a zero (a backend without the bound never creates the series).
     skipped = by_label(samples, "kvtier_offload_tier_skipped_total", "reason")
     if skipped and all(math.isfinite(v) for v in skipped.values()):
         f.counters[(SKIPPED_REQUESTS, tier)] = sum(skipped.values())
-        for reason, count in skipped.items():
+        for reason, count in _known(skipped, SKIP_REASONS).items():
             f.counters[(f"{SKIPPED_REQUESTS}:{reason}", tier)] = count
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
@@ -250,6 +262,15 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
         f.gauges[(CAPACITY_BYTES, tier)] = capacity
         if used is not None:
             f.gauges[(USED_PERCENT, tier)] = 100.0 * used / capacity
+
+
+def _known(by_reason: dict[str, float], known: frozenset[str]) -> dict[str, float]:
+    """Counts by the backend's known reasons; every other label's under OTHER_REASON."""
+    out: dict[str, float] = {}
+    for reason, count in by_reason.items():
+        key = reason if reason in known else OTHER_REASON
+        out[key] = out.get(key, 0.0) + count
+    return out
 
 
 def _cpu_tier_info(samples: Samples) -> Labels | None:
