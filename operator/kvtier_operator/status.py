@@ -262,7 +262,7 @@ MIN_STORES = 20
 # The most characters of an advice or metrics condition's message (and of its Event):
 # figures, reasons and problems come from pods, so nothing they say grows it further.
 MAX_MESSAGE = 2000
-# Dropped-write reasons a WritesDropped message names, the largest first.
+# Dropped-write reasons a WritesDropped message names: the largest ones.
 MAX_REASONS_SAID = 6
 # Where a tier's write threads are set, for the advice on dropped writes.
 WRITE_THREADS_FIELD = {"storage": "spec.storage.writeThreads",
@@ -479,7 +479,7 @@ def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> s
                if t == tier and figure.startswith(f"{DROPPED_WRITES}:") and v}
     floor = reasons.pop(FREE_SPACE_FLOOR, 0.0)
     largest = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_REASONS_SAID]
-    said = ", ".join(f"{int(v)} {reason[:40]}" for reason, v in largest)
+    said = ", ".join(f"{int(v)} {reason[:40]}" for reason, v in sorted(largest))
     fixes = []
     if reasons or not floor:
         threads = WRITE_THREADS_FIELD.get(tier)
