@@ -29,6 +29,7 @@ from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
 from kvtier_operator.reconcile import Outcome, reconcile
+from kvtier_operator.render.pod import config_hash
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)
@@ -118,6 +119,7 @@ def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
         for tpc in caches:
             adapter = adapter_for(tpc.spec)
             port = adapter.launcher.metrics_port
+            digest = config_hash(tpc, config.render)
             targets = []
             for pod in in_ns:
                 # A pod without an address is not serving yet: nothing to read, no problem.
@@ -126,7 +128,8 @@ def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
                 url = pod.metrics_url(port)
                 targets.append(Target(pod=pod.name, uid=pod.uid, url=url, problem=None if url
                                       else "no metrics port known: set the pod annotation "
-                                      "kvtier.dev/metrics-port"))
+                                      "kvtier.dev/metrics-port",
+                                      current_config=pod.config_hash == digest))
             out.append(CacheTargets(ns, tpc.name, adapter, adapter.offloaded_tiers(tpc.spec),
                                     tuple(targets)))
     return out

@@ -7,6 +7,7 @@ condition's status does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -413,7 +414,9 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
                                     prompt_tokens=_int(prompt), observed_at=obs.observed_at)
     offloaded_hits = [v for t, v in hit_tokens.items() if t != "gpu"]
     out.hit_percent = _pct(sum(offloaded_hits), prompt) if offloaded_hits else None
-    capacity = w.gauges.get(("capacity_tokens", "cpu"))
+    # The router's LRU is sized from it: only a positive, finite figure counts.
+    capacity = [v for v in w.gauges.get(("capacity_tokens", "cpu"), ())
+                if math.isfinite(v) and v >= 1]
     out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
     out.advice = _advice(tpc, w, tiers, prompt, last_run)
     return out

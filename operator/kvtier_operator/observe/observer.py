@@ -18,9 +18,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier_operator.engines.base import Adapter
+from kvtier_operator.engines.figures import CAPACITY_BYTES, CAPACITY_TOKENS, PodFigures
 from kvtier_operator.observe.reading_process import ReadingProcess
 from kvtier_operator.observe.reads import ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
@@ -60,6 +61,9 @@ class Target:
     uid: str
     url: str | None  # None: no address yet (why in `problem`)
     problem: str | None = None
+    # Whether the pod carries the cache's current config: a pod on an older one reports
+    # that config's capacities, which must not size anything now (on_config).
+    current_config: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,15 @@ class CacheTargets:
     adapter: Adapter
     offloaded: tuple[str, ...]
     pods: tuple[Target, ...]
+
+
+def on_config(figures: PodFigures, current: bool) -> PodFigures:
+    """A pod's figures, less its capacities where it runs an older config than the
+    cache's current one (they size the router's LRU: only the current config's may)."""
+    if current:
+        return figures
+    return replace(figures, gauges={key: v for key, v in figures.gauges.items()
+                                    if key[0] not in (CAPACITY_BYTES, CAPACITY_TOKENS)})
 
 
 @dataclass
@@ -137,7 +150,7 @@ class Observer:
                 continue
             obs.pods_read += 1
             history = self._histories.setdefault(key, PodHistory())
-            history.add(at, figures, self.settings.window)
+            history.add(at, on_config(figures, target.current_config), self.settings.window)
             obs.window.add(history, at)
         for gone in set(self._histories) - seen:
             del self._histories[gone]  # pods no longer selected

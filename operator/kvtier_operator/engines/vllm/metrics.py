@@ -291,10 +291,15 @@ def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
         return None, None, None
 
     def number(name: str) -> int | None:
+        """A positive, finite whole number; None for anything else a pod may say
+        (negative, zero, inf, NaN, not a number): it sizes the router's LRU."""
         try:
-            return int(float(labels[name])) if labels.get(name) else None
+            value = float(labels[name]) if labels.get(name) else None
         except ValueError:
             return None
+        if value is None or not math.isfinite(value) or value < 1:
+            return None
+        return int(value)
 
     chunks, per_chunk = number("cpu_num_chunks"), number("cpu_blocks_per_chunk")
     blocks = chunks * per_chunk if chunks is not None and per_chunk is not None else None
