@@ -97,7 +97,8 @@ FAMILIES = frozenset({
     "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
     "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
-    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME, TIERING_READ_BYTES,
+    "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME,
+    TIERING_READ_BYTES,
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
     "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
     "kvtier_offload_tier_skipped", "kvtier_offload_dropped_writes",
@@ -169,7 +170,8 @@ def _promotions(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> 
     "disk" hits where a tier's backend counts no bytes loaded: vLLM's own fs tier). vLLM
     creates the series at a tier's first promotion: until then (or where a value is not
     finite) the figure is absent, never a zero."""
-    for family, figure in ((TIERING_READ_TIME, LOAD_TIME), (TIERING_READ_BYTES, PROMOTED_BYTES)):
+    for family, figure in ((TIERING_READ_TIME, LOAD_TIME),
+                           (TIERING_READ_BYTES, PROMOTED_BYTES)):
         per_tier: dict[str, float] = {}
         for labels, value in samples.get(f"{family}_total", ()):
             index, _, _ = labels.get("tier", "").partition(":")
