@@ -38,6 +38,7 @@ from kvtier_operator.engines.figures import (
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
+from kvtier_operator.observe.reads import LATE
 from kvtier_operator.observe.window import WindowSum, quantile
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
@@ -443,12 +444,18 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
                     "kvtier reads no figures from this engine's metrics")
     if obs.pods_selected == 0:
         return Cond("Unknown", "NoPodsToRead", "no injected pod to read yet")
-    if obs.pods_unreadable:
-        first = obs.problems[0] if obs.problems else ""
-        return Cond("False", "MetricsUnreadable",
-                    f"{obs.pods_unreadable} of {obs.pods_selected} pod(s) gave no figures "
-                    f"({first}); open the metrics port to the operator, fix the page, or "
-                    "set the kvtier.dev/metrics-port annotation")
+    failed = obs.pods_unreadable - obs.pods_late
+    late = (f"{obs.pods_late} of {obs.pods_selected} pod(s) not read this round: the "
+            "operator's time to parse pages went to other pods' slow pages; read again "
+            "next round") if obs.pods_late else ""
+    if failed > 0:
+        first = next((p for p in obs.problems if not p.endswith(LATE)), "")
+        return Cond("False", "MetricsUnreadable", _bounded(
+            f"{failed} of {obs.pods_selected} pod(s) gave no figures ({first}); open the "
+            "metrics port to the operator, fix the page, or set the "
+            "kvtier.dev/metrics-port annotation" + (f"; {late}" if late else "")))
+    if late:  # the operator's own budget, not the pods': nothing to fix on them
+        return Cond("Unknown", "MetricsReadLate", late)
     return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
 
 

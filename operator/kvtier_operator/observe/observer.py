@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.engines.figures import CAPACITY_BYTES, CAPACITY_TOKENS, PodFigures
 from kvtier_operator.observe.reading_process import ReadingProcess
-from kvtier_operator.observe.reads import ReadJob, ReadSettings, unpack
+from kvtier_operator.observe.reads import LATE, ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
 log = logging.getLogger("kvtier_operator.observe")
@@ -95,6 +95,9 @@ class CacheObservation:
     observed_at: str  # RFC 3339
     reads: bool  # False: the engine exports nothing kvtier reads
     pods_selected: int = 0
+    # Of pods_unreadable: pods not read because the round's parse time ran out (LATE),
+    # the operator's budget, not the pod's fault.
+    pods_late: int = 0
 
 
 # Pods folded into the window between two yields to the event loop, or less where
@@ -145,6 +148,7 @@ class Observer:
                 continue
             if figures is None:
                 obs.pods_unreadable += 1
+                obs.pods_late += problem == LATE
                 if len(obs.problems) < MAX_PROBLEMS:
                     obs.problems.append(f"pod {target.pod}: {problem}")
                 continue
