@@ -20,7 +20,10 @@ real API servers, tests/fixtures/metrics/).
   beside the stores asked (`_operations{direction="store"}`, `_failed_writes`), each
   series labelled by its tier (localDisk, storage, objectStore). Where several of those
   tiers are configured, vLLM's "disk" hits cover them together (SHARED_HIT_TOKENS),
-  which status splits by each tier's bytes loaded. They reach /metrics through vLLM's
+  which status splits by each tier's bytes loaded, else by the bytes vLLM promoted from
+  each (`vllm:kv_offload_tiering_read_bytes`, PROMOTED_BYTES: vLLM's own fs tier has no
+  kvtier series). A tier without kvtier's series gets none of their figures, no zeros.
+  They reach /metrics through vLLM's
   stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec, and in
   GPU-direct mode through prometheus-client's multiprocess directory that kvtier
   renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
