@@ -54,6 +54,13 @@ LOAD_TRIPS = 3
 # never measured again. A probe waits within the wait budget alone, as if its load were
 # free; where the tier really is slower it costs that one request its difference.
 PROBE_EVERY = 16
+# The engine's recompute price settles once this many samples are in (the median then
+# leaves out the first prefill's one-time costs). Until then a request waits on lookups
+# at most FIRST_WAIT seconds (or the store's lookup_pending_seconds, where shorter):
+# priced at an engine's first prefills, or unpriced, the first requests after a start
+# waited up to a second and cost 2-4.6x tier off.
+PREFILL_SETTLED = 3
+FIRST_WAIT = 0.1
 
 
 class Rate:
@@ -65,10 +72,12 @@ class Rate:
         self._weight = weight
         self._recent: deque[float] | None = deque(maxlen=window) if window > 0 else None
         self.per_unit: float | None = None
+        self.samples = 0  # taken so far
 
     def add(self, seconds: float, units: float) -> None:
         if units <= 0 or seconds < 0:
             return
+        self.samples += 1
         sample = seconds / units
         if self._recent is not None:
             self._recent.append(sample)
@@ -132,6 +141,8 @@ class RequestWait:
     cut: int | None = None  # keys ending past this token are recomputed
     reason: str | None = None
     probe: bool | None = None  # decided at its first "load slower": tried anyway
+    waited: bool = False  # it waited on a lookup (answered None) at least once
+    late_probe: bool | None = None  # decided at its first lookup after others came late
 
     @property
     def at_stake(self) -> int:
@@ -201,6 +212,10 @@ class RequestWaits:
         self._waits: OrderedDict[str, RequestWait] = OrderedDict()
         self.skips: Counter[str] = Counter()  # requests skipped so far, by reason
         self._slower_requests = 0  # requests priced slower than recompute (PROBE_EVERY)
+        # The volume's answers came too late for the last request that waited on them:
+        # the next requests do not wait (LATE, PROBE_EVERY), until one is answered in time.
+        self.late = False
+        self._late_requests = 0
 
     def get(self, req_id: str) -> RequestWait | None:
         return self._waits.get(req_id)
@@ -228,12 +243,21 @@ class RequestWaits:
         if slower and self._probes(wait):
             priced, slower = None, False  # bounded by the wait budget alone
         if present is None:
-            reason = stop_waiting(wait, self._clock(), self.prefill, priced,
-                                  expected_wait())
+            now = self._clock()
+            reason = stop_waiting(wait, now, self.prefill, priced, expected_wait())
+            late = reason is not None
+            if reason is None and self.late and not self._probes_late(wait):
+                reason = LOOKUP_WAIT  # the last requests' answers came too late
+            if reason is None and self.prefill.samples < PREFILL_SETTLED and \
+                    now - wait.started > FIRST_WAIT:
+                reason = LOOKUP_WAIT  # recompute not yet priced: a short wait at most
             if reason is None:
+                wait.waited = True
                 return None
-            self._recompute_from(wait, end - self.tokens_per_key, reason)
+            self._recompute_from(wait, end - self.tokens_per_key, reason, late)
             return False
+        if wait.waited and wait.reason is None:
+            self.late = False  # a request that waited was answered within its budget
         if present and slower:
             self._recompute_from(wait, wait.start, LOAD_SLOWER)
             return False
@@ -246,6 +270,15 @@ class RequestWaits:
             wait.probe = self._slower_requests % PROBE_EVERY == 0
             self._slower_requests += 1
         return wait.probe
+
+    def _probes_late(self, wait: RequestWait) -> bool:
+        """Whether this request waits on lookups although the last ones came too late
+        (one in PROBE_EVERY: a volume that recovered is seen again); decided once per
+        request."""
+        if wait.late_probe is None:
+            self._late_requests += 1
+            wait.late_probe = self._late_requests % PROBE_EVERY == 0
+        return wait.late_probe
 
     def finished(self, req_id: str) -> None:
         self._waits.pop(req_id, None)
@@ -264,13 +297,18 @@ class RequestWaits:
         wait.end = max(wait.end, end)
         return wait
 
-    def _recompute_from(self, wait: RequestWait, token: int, reason: str) -> None:
-        """Keys ending past token are recomputed; counted once per request."""
+    def _recompute_from(self, wait: RequestWait, token: int, reason: str,
+                        late: bool = False) -> None:
+        """Keys ending past token are recomputed; counted once per request. late: the
+        priced bound found the volume's answers too late (the next requests then stop
+        at their first unanswered key, `late`)."""
         wait.cut = token if wait.cut is None else min(wait.cut, token)
         if wait.reason is None:
             wait.reason = reason
             self.skips[reason] += 1
             self._skipped(reason)
+        if late and reason == LOOKUP_WAIT:
+            self.late = True
 
 
 class PromptTimes(Rate):
