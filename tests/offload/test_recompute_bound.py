@@ -302,3 +302,51 @@ def test_before_the_recompute_price_settles_a_request_waits_a_short_while_at_mos
         prefill.add(10.0, 1000)
     clock.now += 2 * FIRST_WAIT  # settled: within the 0.67 s budget
     assert waits.answer("second", 64, pending, free, lambda: 0.0) is None
+
+
+def test_a_probe_that_finds_nothing_to_load_leaves_the_probe_to_the_next_request():
+    """An engine's first requests (its warm-ups) find nothing on the volume: a probe
+    spent on them measures no load, and every later request would be priced on the
+    round-trip estimate alone (GlusterFS with a writer: skipped in every round, the
+    load never measured). The probe passes to the next request priced slower, until
+    one has a key there to load; then the next probe is PROBE_EVERY requests on."""
+    from kvtier_offload.recompute_bound import PROBE_EVERY, RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    slower = lambda tokens: 1.0  # noqa: E731 (1 s for 64 tokens recomputed in 64 ms)
+    missing = lambda patient: False  # noqa: E731
+    assert [waits.answer(f"w{i}", 64, missing, slower, lambda: None)
+            for i in range(3)] == [False] * 3  # misses, not skips
+    assert skipped == []
+    assert waits.answer("r0", 64, lambda p: True, slower, lambda: None) is True  # probes
+    answers = [waits.answer(f"r{i}", 64, lambda p: True, slower, lambda: None)
+               for i in range(1, PROBE_EVERY + 1)]
+    assert [i + 1 for i, a in enumerate(answers) if a] == [PROBE_EVERY - 3]
+    # a probe cut before any answer (its lookups too late) passes it on as well
+    waits2 = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    assert waits2.answer("p", 64, lambda p: None, slower, lambda: None) is None
+    clock.now += 1.0
+    assert waits2.answer("p", 64, lambda p: None, slower, lambda: None) is False
+    assert waits2.answer("q", 64, lambda p: True, slower, lambda: None) is True
+
+
+def test_a_requests_first_lookup_is_priced_with_its_whole_prefix_at_stake():
+    """vLLM asks a prefix key by key, but records every key's position first: priced at
+    the first key alone, one chunk's recompute (64 ms) is cheaper than three round
+    trips (90 ms), and every request on a network volume was decided against the tier
+    there; priced over the 16 keys the engine recorded, the load (8 rounds of 2
+    threads, 0.72 s) beats recompute (1.02 s)."""
+    from kvtier_offload.recompute_bound import RequestWaits, load_estimate
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 64, skipped.append, clock)
+    price = lambda tokens: load_estimate(tokens, Rate(), 0.03, 64, 2)  # noqa: E731
+    there = lambda patient: True  # noqa: E731
+    assert waits.answer("probe", 64, there, price, lambda: None) is True  # spends it
+    assert waits.answer("alone", 64, there, price, lambda: None) is False
+    assert waits.answer("whole", 64, there, price, lambda: None, lambda: 1024) is True
+    assert waits.get("whole").at_stake == 1024
+    assert skipped == [LOAD_SLOWER]

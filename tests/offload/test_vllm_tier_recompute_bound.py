@@ -108,6 +108,16 @@ def _scan(manager, keys, ctx) -> list[LookupResult]:
     return seen
 
 
+def test_vllms_request_context_tells_the_furthest_key_before_the_first_lookup():
+    """recompute_bound.recorded_end reads the key positions vLLM's scheduler records
+    for the whole prompt (a private field of ReqContext: this fails if vLLM renames it,
+    and the bound would price a request's first key alone again)."""
+    from kvtier_offload.recompute_bound import recorded_end
+
+    assert recorded_end(_context("r", _keys(1, 6))) == 6 * TOKENS
+    assert recorded_end(ReqContext(req_id="none")) is None
+
+
 def test_the_tier_times_the_engines_prompts_from_vllms_own_calls(tiered):
     _manager, tier, clock = tiered
     assert tier.prefill.per_unit is None
