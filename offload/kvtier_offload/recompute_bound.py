@@ -248,7 +248,7 @@ class RequestWaits:
         if present is None:
             now = self._clock()
             reason = stop_waiting(wait, now, self.prefill, priced, expected_wait())
-            late = reason is not None
+            late = reason is not None and wait.waited  # it spent a wait to learn it
             if reason is None and self.late and not self._probes_late(wait):
                 reason = LOOKUP_WAIT  # the last requests' answers came too late
             if reason is None and self.prefill.samples < PREFILL_SETTLED and \

@@ -128,7 +128,10 @@ def rates(llm: Any, mode: str) -> dict[str, float | None]:
     if mode == "off":
         return {}
     holder = _bound(llm)
-    return {"prefill": holder.prefill.per_unit, "load": holder.load_rate.per_unit}
+    store = holder.stores[0] if mode == "gpu-direct" else holder.store
+    return {"prefill": holder.prefill.per_unit, "load": holder.load_rate.per_unit,
+            "stat": store.stat_seconds(), "answer": store._background.answer_seconds(),
+            "late": holder.waits.late}
 
 
 def skipped(llm: Any, mode: str) -> dict[str, float]:

@@ -350,3 +350,18 @@ def test_a_requests_first_lookup_is_priced_with_its_whole_prefix_at_stake():
     assert waits.answer("whole", 64, there, price, lambda: None, lambda: 1024) is True
     assert waits.get("whole").at_stake == 1024
     assert skipped == [LOAD_SLOWER]
+
+
+def test_a_request_priced_late_before_it_waited_leaves_the_next_ones_to_their_price():
+    """Stopped at its first lookup by the price alone (the expected wait past its
+    budget), a request learned nothing a later one's price would not: only a request
+    that spent a wait and still came too late makes the next ones stop unpriced."""
+    from kvtier_offload.recompute_bound import RequestWaits
+
+    clock = Clock()
+    waits = RequestWaits(prefill_at(0.001), 32, lambda reason: None, clock)
+    pending = lambda patient: None  # noqa: E731
+    free = lambda tokens: None  # noqa: E731
+    assert waits.answer("r0", 64, pending, free, lambda: 1.0) is False
+    assert not waits.late
+    assert waits.answer("r1", 64, pending, free, lambda: 0.0) is None
