@@ -64,7 +64,8 @@ class BackgroundLookup:
     name-0, name-1...), each a share of the queue at a time so a long scan spreads over
     all of them. stat answers the key; it records the answer where the caller will look
     (a LookupCache) and must not raise. Each stat is timed (stat_seconds: a moving
-    average of the volume's round trip)."""
+    average of the volume's round trip), and so is each key's wait from its first ask to
+    its answer (answer_seconds: the queue's turns included, as a request sees it)."""
 
     def __init__(self, stat: Callable[[bytes], object], threads: int, queue_limit: int,
                  pending_seconds: float, name: str = "kvtier-lookup",
@@ -72,6 +73,7 @@ class BackgroundLookup:
         self._stat = stat
         self._clock = clock
         self._round_trip = Rate()
+        self._answer = Rate()  # seconds from a key's first ask to its answer
         self._in_stat: dict[int, float] = {}  # thread number -> when its stat began
         self._queue_limit = queue_limit
         self.pending_seconds = pending_seconds
@@ -118,14 +120,34 @@ class BackgroundLookup:
             return running
         return average if running is None else max(average, running)
 
+    def answer_seconds(self) -> float | None:
+        """How long a key waits from its first ask to its answer: the moving average of
+        those answered, or longer where a key still unanswered has waited longer already
+        (the age of the oldest ask: a queue backing up, or a stat that hangs, shows at
+        once); None before any key was asked."""
+        with self._cv:
+            average = self._answer.per_unit
+            oldest = next(iter(self._pending.values()), None)
+        waited = None if oldest is None else self._clock() - oldest
+        if average is None:
+            return waited
+        return average if waited is None else max(average, waited)
+
     def expected_wait(self) -> float | None:
-        """How long until the keys waiting now are answered, at the measured round trip
-        (the threads take them in turns); None where nothing is measured yet."""
+        """How long until the keys waiting now are answered: at the measured round trip,
+        the threads taking them in turns, and no sooner than the last asked has waited
+        what a key waits now (answer_seconds); None where nothing is measured yet."""
         per_stat = self.stat_seconds()
         if per_stat is None:
             return None
-        waiting = self.waiting()
-        return per_stat * -(-waiting // len(self._threads))
+        latency = self.answer_seconds()
+        with self._cv:
+            waiting = len(self._pending)
+            newest = next(reversed(self._pending.values()), None)
+        turns = per_stat * -(-waiting // len(self._threads))
+        if latency is None or newest is None:
+            return turns
+        return max(turns, latency - (self._clock() - newest))
 
     def _loop(self, number: int) -> None:
         while True:
@@ -142,8 +164,12 @@ class BackgroundLookup:
                     with self._cv:
                         self._in_stat[number] = began
                     self._stat(key)
+                    now = self._clock()
                     with self._cv:
-                        self._round_trip.add(self._clock() - began, 1)
+                        self._round_trip.add(now - began, 1)
+                        asked = self._pending.pop(key, None)
+                        if asked is not None:
+                            self._answer.add(now - asked, 1)
             finally:
                 with self._cv:
                     self._in_stat.pop(number, None)

@@ -54,6 +54,13 @@ LOAD_TRIPS = 3
 # never measured again. A probe waits within the wait budget alone, as if its load were
 # free; where the tier really is slower it costs that one request its difference.
 PROBE_EVERY = 16
+# The engine's recompute price settles once this many samples are in (the median then
+# leaves out the first prefill's one-time costs). Until then a request waits on lookups
+# at most FIRST_WAIT seconds (or the store's lookup_pending_seconds, where shorter):
+# priced at an engine's first prefills, or unpriced, the first requests after a start
+# waited up to a second and cost 2-4.6x tier off.
+PREFILL_SETTLED = 3
+FIRST_WAIT = 0.1
 
 
 class Rate:
@@ -65,10 +72,12 @@ class Rate:
         self._weight = weight
         self._recent: deque[float] | None = deque(maxlen=window) if window > 0 else None
         self.per_unit: float | None = None
+        self.samples = 0  # taken so far
 
     def add(self, seconds: float, units: float) -> None:
         if units <= 0 or seconds < 0:
             return
+        self.samples += 1
         sample = seconds / units
         if self._recent is not None:
             self._recent.append(sample)
@@ -132,6 +141,9 @@ class RequestWait:
     cut: int | None = None  # keys ending past this token are recomputed
     reason: str | None = None
     probe: bool | None = None  # decided at its first "load slower": tried anyway
+    hit: bool = False  # a key was answered there (to load)
+    waited: bool = False  # it waited on a lookup (answered None) at least once
+    late_probe: bool | None = None  # decided at its first lookup after others came late
 
     @property
     def at_stake(self) -> int:
@@ -168,11 +180,9 @@ def load_estimate(tokens: int, load_rate: Rate, round_trip: float | None,
                   tokens_per_key: int, read_threads: int) -> float | None:
     """The expected seconds to load tokens: at the measured load rate; before any load,
     LOAD_TRIPS round trips of the volume per file on each read thread; None while
-    neither is known. (Rounded up to whole rounds of threads: vLLM asks a prefix key by
-    key, so the first key alone is priced dearer per token than its prefix and can
-    decide the request against the tier. Priced linearly instead, requests on a volume
-    whose stats hang waited out their budget: 1.095x tier off in the e2e slow-volume
-    case against 0.86-0.93x; the probe, PROBE_EVERY, re-measures such a tier.)"""
+    neither is known. (Rounded up to whole rounds of threads. A request's first lookup
+    is priced over every key vLLM recorded for it, recorded_end, not its first key
+    alone; the probe, PROBE_EVERY, re-measures a tier so priced slower.)"""
     measured = load_rate.seconds(tokens)
     if measured is not None or round_trip is None:
         return measured
@@ -201,6 +211,11 @@ class RequestWaits:
         self._waits: OrderedDict[str, RequestWait] = OrderedDict()
         self.skips: Counter[str] = Counter()  # requests skipped so far, by reason
         self._slower_requests = 0  # requests priced slower than recompute (PROBE_EVERY)
+        self._probe_owed = True  # the next request priced slower tries the tier
+        # The volume's answers came too late for the last request that waited on them:
+        # the next requests do not wait (LATE, PROBE_EVERY), until one is answered in time.
+        self.late = False
+        self._late_requests = 0
 
     def get(self, req_id: str) -> RequestWait | None:
         return self._waits.get(req_id)
@@ -215,11 +230,14 @@ class RequestWaits:
 
     def answer(self, req_id: str, end: int, ask: Callable[[bool], bool | None],
                loading: Callable[[int], float | None],
-               expected_wait: Callable[[], float | None]) -> bool | None:
+               expected_wait: Callable[[], float | None],
+               furthest: Callable[[], int | None] | None = None) -> bool | None:
         """Whether the key ending at token `end` is to be loaded (True), recomputed
         (False) or waited for (None). ask(patient) asks the store(s) (True, False, or
-        None while pending); loading(tokens) and expected_wait() price the tier."""
-        wait = self._wait_of(req_id, end)
+        None while pending); loading(tokens) and expected_wait() price the tier;
+        furthest(), asked at the request's first lookup, the end of its furthest key
+        where the engine already knows it (recorded_end)."""
+        wait = self._wait_of(req_id, end, furthest)
         if wait.cut is not None and end > wait.cut:
             return False  # decided: recompute from here
         present = ask(self.prefill.per_unit is not None)
@@ -228,12 +246,25 @@ class RequestWaits:
         if slower and self._probes(wait):
             priced, slower = None, False  # bounded by the wait budget alone
         if present is None:
-            reason = stop_waiting(wait, self._clock(), self.prefill, priced,
-                                  expected_wait())
+            now = self._clock()
+            reason = stop_waiting(wait, now, self.prefill, priced, expected_wait())
+            late = reason is not None and wait.waited  # it spent a wait to learn it
+            if reason is None and self.late and not self._probes_late(wait):
+                reason = LOOKUP_WAIT  # the last requests' answers came too late
+            if reason is None and self.prefill.samples < PREFILL_SETTLED and \
+                    now - wait.started > FIRST_WAIT:
+                reason = LOOKUP_WAIT  # recompute not yet priced: a short wait at most
             if reason is None:
+                wait.waited = True
                 return None
-            self._recompute_from(wait, end - self.tokens_per_key, reason)
+            self._recompute_from(wait, end - self.tokens_per_key, reason, late)
             return False
+        if wait.waited and wait.reason is None:
+            self.late = False  # a request that waited was answered within its budget
+        if present:
+            wait.hit = True
+        else:
+            self._refund_probe(wait)
         if present and slower:
             self._recompute_from(wait, wait.start, LOAD_SLOWER)
             return False
@@ -243,19 +274,43 @@ class RequestWaits:
         """Whether this request, priced slower than recompute, tries the tier anyway
         (PROBE_EVERY); decided once per request."""
         if wait.probe is None:
-            wait.probe = self._slower_requests % PROBE_EVERY == 0
+            if self._slower_requests and self._slower_requests % PROBE_EVERY == 0:
+                self._probe_owed = True
+            wait.probe, self._probe_owed = self._probe_owed, False
             self._slower_requests += 1
         return wait.probe
+
+    def _refund_probe(self, wait: RequestWait) -> None:
+        """A probe whose scan ended before any key was there to load (its prefix was
+        never stored, or its lookups came too late) measured nothing: the next request
+        priced slower probes instead. (Else an engine's first requests, which find
+        nothing, spend the probe: on GlusterFS with a writer no load was ever measured
+        and every request was priced on the round-trip estimate.)"""
+        if wait.probe and not wait.hit:
+            wait.probe = False
+            self._probe_owed = True
+
+    def _probes_late(self, wait: RequestWait) -> bool:
+        """Whether this request waits on lookups although the last ones came too late
+        (one in PROBE_EVERY: a volume that recovered is seen again); decided once per
+        request."""
+        if wait.late_probe is None:
+            self._late_requests += 1
+            wait.late_probe = self._late_requests % PROBE_EVERY == 0
+        return wait.late_probe
 
     def finished(self, req_id: str) -> None:
         self._waits.pop(req_id, None)
 
-    def _wait_of(self, req_id: str, end: int) -> RequestWait:
-        """The request's wait, started at its first lookup; its span grown to key's."""
+    def _wait_of(self, req_id: str, end: int,
+                 furthest: Callable[[], int | None] | None = None) -> RequestWait:
+        """The request's wait, started at its first lookup, spanning from its first key
+        to its furthest known one; its span grown to key's."""
         wait = self._waits.get(req_id)
         if wait is None:
-            wait = self._waits[req_id] = RequestWait(self._clock(),
-                                                     end - self.tokens_per_key, end)
+            last = furthest() if furthest is not None else None
+            wait = self._waits[req_id] = RequestWait(
+                self._clock(), end - self.tokens_per_key, max(end, last or 0))
             while len(self._waits) > self._requests:
                 self._waits.popitem(last=False)  # the least recently asked
         else:
@@ -264,13 +319,32 @@ class RequestWaits:
         wait.end = max(wait.end, end)
         return wait
 
-    def _recompute_from(self, wait: RequestWait, token: int, reason: str) -> None:
-        """Keys ending past token are recomputed; counted once per request."""
+    def _recompute_from(self, wait: RequestWait, token: int, reason: str,
+                        late: bool = False) -> None:
+        """Keys ending past token are recomputed; counted once per request. late: the
+        priced bound found the volume's answers too late (the next requests then stop
+        at their first unanswered key, `late`)."""
         wait.cut = token if wait.cut is None else min(wait.cut, token)
+        self._refund_probe(wait)
         if wait.reason is None:
             wait.reason = reason
             self.skips[reason] += 1
             self._skipped(reason)
+        if late and reason == LOOKUP_WAIT:
+            self.late = True
+
+
+def recorded_end(req_context: object) -> int | None:
+    """The end token of a request's furthest key as vLLM's offloading scheduler recorded
+    it (ReqContext's key positions, 0.32 and 0.33: every key of the prompt is recorded
+    before the first lookup); None where none is recorded. Without it a request's first
+    key alone is at stake when its first lookup is priced, and one key's recompute is
+    cheaper than any round trip: on a network volume every request was decided against
+    the tier at its first key."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(positions, dict) or not positions:
+        return None
+    return max(int(end) for end in positions.values())
 
 
 class PromptTimes(Rate):

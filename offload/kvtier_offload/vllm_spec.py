@@ -74,7 +74,13 @@ from kvtier_offload.page_copy import (
     memmove_batch_copy,
     vllm_batch_copy,
 )
-from kvtier_offload.recompute_bound import PrefillRate, Rate, RequestWaits, load_estimate
+from kvtier_offload.recompute_bound import (
+    PrefillRate,
+    Rate,
+    RequestWaits,
+    load_estimate,
+    recorded_end,
+)
 from kvtier_offload.store import BlockStore, StoreConfig
 from kvtier_offload.tier_events import TierEvents
 
@@ -249,7 +255,8 @@ class KvtierOffloadingManager(OffloadingManager):
                                    position(key) if position is not None else None)
         present = self.waits.answer(
             req_context.req_id, end, lambda patient: _PRESENT[self._ask_stores(raw, patient)],
-            self._load_seconds, self._expected_lookup_wait)
+            self._load_seconds, self._expected_lookup_wait,
+            lambda: recorded_end(req_context))
         return _ANSWER[present]
 
     def _ask_stores(self, key: bytes, patient: bool) -> LookupResult:

@@ -48,7 +48,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier_offload.fileformat import VERSION as FILE_FORMAT
 from kvtier_offload.layout import fingerprint, vllm_fields
 from kvtier_offload.metrics import DEFINITIONS, SHARED_TIER, Metrics, Recorder
-from kvtier_offload.recompute_bound import PromptTimes, Rate, RequestWaits, load_estimate
+from kvtier_offload.recompute_bound import (
+    PromptTimes,
+    Rate,
+    RequestWaits,
+    load_estimate,
+    recorded_end,
+)
 from kvtier_offload.tier_events import TierEvents
 
 if TYPE_CHECKING:
@@ -179,7 +185,8 @@ class KvtierStorageTier(SecondaryTierManager):
             end = self.waits.end_token(req_id, req_context.get_offload_key_position(key))
             present = self.waits.answer(req_id, end,
                                         lambda patient: self.store.lookup(raw, patient),
-                                        self._load_seconds, self.store.expected_lookup_wait)
+                                        self._load_seconds, self.store.expected_lookup_wait,
+                                        lambda: recorded_end(req_context))
         if present is None:
             return LookupResult.RETRY  # resolving in the background; vLLM asks again
         return LookupResult.HIT if present else LookupResult.MISS

@@ -123,8 +123,23 @@ class Comparison:
         off = statistics.median(r["ttft"] for r in self.off)
         return (f"{len(self.on)} rounds: median ratio {self.ratio:.3f} (rounds "
                 f"{', '.join(f'{r:.2f}' for r in self.ratios)}); median TTFT on "
-                f"{on:.3f} s, off {off:.3f} s; skipped {self.skipped():.0f}; "
-                f"cached on {[r['cached'] for r in self.on]}")
+                f"{on:.3f} s, off {off:.3f} s; skipped {self.skipped():.0f} "
+                f"({self.reasons()}); cached on {[r['cached'] for r in self.on]}")
+
+    def details(self) -> str:
+        """A line per round: both times, the tier-on engine's cache hit, skips and rates."""
+        return "\n".join(
+            f"  seed {a['seed']}: on {a['ttft']:.3f} s off {b['ttft']:.3f} s "
+            f"cached {a['cached']} skipped {a['skipped']} rates {a.get('rates')} "
+            f"lookups {a.get('lookups')}"
+            for a, b in zip(self.on, self.off, strict=True))
+
+    def reasons(self) -> str:
+        """Each round's skip reason on the tier-on engine (- where it was not skipped)."""
+        def one(run: dict[str, Any]) -> str:
+            named = [reason for reason, n in run["skipped"].items() if n]
+            return "+".join(named) or "-"
+        return " ".join(one(run) for run in self.on)
 
 
 def compare(on: Engine, off: Engine, rounds: int = ROUNDS,
@@ -194,6 +209,7 @@ def run(model: Path, root: Path, off: Engine, env: dict[str, str] | None = None,
     finally:
         on.close()
     print(result.report())
+    print(result.details())
     return result
 
 

@@ -128,7 +128,10 @@ def rates(llm: Any, mode: str) -> dict[str, float | None]:
     if mode == "off":
         return {}
     holder = _bound(llm)
-    return {"prefill": holder.prefill.per_unit, "load": holder.load_rate.per_unit}
+    store = holder.stores[0] if mode == "gpu-direct" else holder.store
+    return {"prefill": holder.prefill.per_unit, "load": holder.load_rate.per_unit,
+            "stat": store.stat_seconds(), "answer": store._background.answer_seconds(),
+            "late": holder.waits.late}
 
 
 def skipped(llm: Any, mode: str) -> dict[str, float]:
@@ -145,6 +148,38 @@ def skipped(llm: Any, mode: str) -> dict[str, float]:
     if mode == "tier":
         return {reason: float(_bound(llm).waits.skips[reason]) for reason in REASONS}
     return {}
+
+
+class LookupTrace:
+    """When the recompute bound answered this round's lookups (RequestWaits.answer
+    wrapped): the first answer, the last "wait" (None) and the first "recompute"
+    (False), on time.perf_counter, for the round's report (where the time went)."""
+
+    def __init__(self, llm: Any, mode: str) -> None:
+        self.calls: list[tuple[float, bool | None]] = []
+        if mode == "off":
+            return
+        waits = _bound(llm).waits
+        answer = waits.answer
+
+        def traced(*args: Any, **kwargs: Any) -> bool | None:
+            result = answer(*args, **kwargs)
+            self.calls.append((time.perf_counter(), result))
+            return result
+
+        waits.answer = traced
+
+    def since(self, began: float) -> dict[str, float | int | None]:
+        calls, self.calls = self.calls, []
+
+        def first(kind: object) -> float | None:
+            return next((round(t - began, 3) for t, r in calls if r is kind), None)
+
+        waits = [t for t, r in calls if r is None]
+        return {"first": round(calls[0][0] - began, 3) if calls else None,
+                "last_wait": round(waits[-1] - began, 3) if waits else None,
+                "first_miss": first(False), "first_hit": first(True),
+                "waits": len(waits)}
 
 
 def unlink_cpu_region(llm: Any, mode: str) -> None:
@@ -174,6 +209,7 @@ def main() -> None:
     writer = os.environ.get("KVTIER_TEST_WRITER", "0") == "1"
     for seed in WRITER_WARM_UP if writer else WARM_UP:
         generate(llm, prompt(seed))
+    trace = LookupTrace(llm, mode)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
@@ -197,13 +233,15 @@ def main() -> None:
         if mode == "off":  # one engine without offloading serves many comparisons
             llm.reset_prefix_cache()
         before = skipped(llm, mode)
+        trace.since(0.0)  # forget the stores' and earlier rounds' lookups
         began = time.perf_counter()
         tokens, cached = generate(llm, prompt(seed))
         ttft = time.perf_counter() - began
         after = skipped(llm, mode)
         print(json.dumps({"seed": seed, "ttft": ttft, "cached": cached, "tokens": tokens,
                           "skipped": {k: after[k] - before[k] for k in after},
-                          "rates": rates(llm, mode)}), flush=True)
+                          "rates": rates(llm, mode), "lookups": trace.since(began)}),
+              flush=True)
     # Exit now: lookup threads may still be in a slow volume's stats, which shutdown
     # would wait for; nothing after this is under test.
     os._exit(0)

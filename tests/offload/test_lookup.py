@@ -219,3 +219,80 @@ def test_the_expected_wait_is_the_measured_round_trip_per_turn_of_the_threads():
             gate.release()
         background.stop()
         background.join(time.monotonic() + 5)
+
+
+def test_a_key_waits_as_long_as_the_queue_makes_it_not_just_one_stat():
+    """answer_seconds: from a key's first ask to its answer, its turn in the queue
+    included. One thread, each stat 0.1 s on the fake clock, three keys asked together:
+    answered after 0.1, 0.2 and 0.3 s, while a stat alone still costs 0.1 s."""
+    clock = ManualClock()
+
+    def stat(key: bytes) -> None:
+        clock.now += 0.1
+
+    background = BackgroundLookup(stat, threads=1, queue_limit=100, pending_seconds=60.0,
+                                  clock=clock)
+    try:
+        assert background.answer_seconds() is None
+        with background._cv:  # all three queued before the thread takes any
+            for key in (A, B, C):
+                background._pending[key] = clock.now
+                background._queue.append(key)
+            background._cv.notify()
+        deadline = time.monotonic() + 5
+        while background.waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert background.stat_seconds() == pytest.approx(0.1)
+        # moving average (weight 1/4) of 0.1, 0.2, 0.3: above one stat's time
+        assert background.answer_seconds() == pytest.approx(0.1 + 0.25 * 0.1 + 0.25 * (
+            0.3 - (0.1 + 0.25 * 0.1)))
+    finally:
+        background.stop()
+        background.join(time.monotonic() + 5)
+
+
+def test_a_key_left_unanswered_prices_the_next_ones_wait_at_its_age():
+    """Lookup threads starved of the CPU (a loaded machine): each stat still takes 0.1 s
+    once it runs, but a key waits 2 s before a thread takes it. The oldest key pending
+    prices a key asked now at its age, before any answer says so (the wait is priced
+    before it is spent); once answered, the measured ask-to-answer time does."""
+    clock = ManualClock()
+
+    def stat(key: bytes) -> None:
+        clock.now += 0.1
+
+    background = BackgroundLookup(stat, threads=1, queue_limit=100, pending_seconds=60.0,
+                                  clock=clock)
+
+    def queue(key: bytes) -> None:  # asked, not yet taken: the caller holds the lock
+        background._pending[key] = clock.now
+        background._queue.append(key)
+
+    def answered() -> None:
+        deadline = time.monotonic() + 5
+        while background.waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    try:
+        background.ask(A)
+        answered()
+        assert background.answer_seconds() == pytest.approx(0.1)
+        with background._cv:  # no thread runs while the test holds the lock
+            queue(B)
+            clock.now += 2.0
+            queue(C)  # asked now, behind B
+            assert background.stat_seconds() == pytest.approx(0.1)
+            assert background.answer_seconds() == pytest.approx(2.0)
+            assert background.expected_wait() == pytest.approx(2.0)  # not 2 x 0.1 s
+            clock.now += 0.5  # C has waited 0.5 s of the 2.5 s a key waits now
+            assert background.expected_wait() == pytest.approx(2.0)
+            background._cv.notify()
+        answered()
+        assert background.answer_seconds() > 0.5  # B: 2.6 s, C: 0.7 s, after 0.1 s
+        with background._cv:
+            queue(A)
+            assert background.expected_wait() == pytest.approx(
+                background.answer_seconds())
+    finally:
+        background.stop()
+        background.join(time.monotonic() + 5)

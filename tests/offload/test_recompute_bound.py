@@ -226,3 +226,142 @@ def test_before_any_load_a_file_is_priced_at_a_few_round_trips():
     assert load_estimate(256, Rate(), 0.01, 32, 2) == pytest.approx(LOAD_TRIPS * 0.04)
     assert load_estimate(256, prefill_at(0.001), 0.01, 32, 2) == pytest.approx(0.256)
     assert load_estimate(256, Rate(), None, 32, 2) is None
+
+
+def test_after_a_request_found_the_answers_too_late_the_next_ones_do_not_wait():
+    """A volume whose answers came after recompute would have ended for one request:
+    the next requests stop at their first unanswered key, at once, rather than spend
+    their own budget to learn the same (a loaded runner: each request waited, then
+    recomputed, 1.25x tier off). Keys already answered before it still load."""
+    from kvtier_offload.recompute_bound import RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    pending = lambda patient: None  # noqa: E731
+    free = lambda tokens: None  # noqa: E731
+    assert waits.answer("r0", 64, pending, free, lambda: None) is None  # waits
+    clock.now += 1.0  # far past 64 ms of recompute
+    assert waits.answer("r0", 64, pending, free, lambda: None) is False
+    assert waits.late
+    # the next request: its first key answered from the cache loads, its second
+    # (unanswered) is recomputed without a wait, though nothing prices it as late
+    assert waits.answer("r1", 32, lambda p: True, free, lambda: None) is True
+    assert waits.answer("r1", 64, pending, free, lambda: 0.0) is False
+    assert waits.answer("r1", 96, lambda p: True, free, lambda: 0.0) is False
+    assert skipped == [LOOKUP_WAIT, LOOKUP_WAIT]
+    assert waits.get("r1").cut == 32
+
+
+def test_requests_wait_again_once_one_of_them_is_answered_in_time():
+    """While the answers came too late, one request in PROBE_EVERY waits all the same;
+    answered within its budget, it shows the volume recovered: the next ones wait."""
+    from kvtier_offload.recompute_bound import PROBE_EVERY, RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    pending = lambda patient: None  # noqa: E731
+    free = lambda tokens: None  # noqa: E731
+    waits.answer("late", 64, pending, free, lambda: None)
+    clock.now += 1.0
+    assert waits.answer("late", 64, pending, free, lambda: None) is False
+    answers = [waits.answer(f"r{i}", 64, pending, free, lambda: 0.0)
+               for i in range(1, PROBE_EVERY + 1)]
+    assert answers == [False] * (PROBE_EVERY - 1) + [None]  # the last one probes
+    probe = f"r{PROBE_EVERY}"
+    clock.now += 0.01  # answered within its 67 ms
+    assert waits.answer(probe, 64, lambda p: True, free, lambda: 0.0) is True
+    assert not waits.late
+    assert waits.answer("next", 64, pending, free, lambda: 0.0) is None  # waits again
+    assert skipped == [LOOKUP_WAIT] * PROBE_EVERY
+
+
+def test_before_the_recompute_price_settles_a_request_waits_a_short_while_at_most():
+    """One prompt timed (an engine's first, dear with one-time costs) prices recompute
+    at 10 s here; until PREFILL_SETTLED samples are in, a request waits on lookups
+    FIRST_WAIT at most, and that unpriced give-up says nothing of the volume (the next
+    request waits as usual). Settled, the priced budget decides."""
+    from kvtier_offload.recompute_bound import FIRST_WAIT, PREFILL_SETTLED, RequestWaits
+
+    clock = Clock()
+    prefill = Rate(window=5)
+    prefill.add(10.0, 1000)  # 10 ms a token: 64 tokens 0.64 s
+    skipped: list[str] = []
+    waits = RequestWaits(prefill, 32, skipped.append, clock)
+    pending = lambda patient: None  # noqa: E731
+    free = lambda tokens: None  # noqa: E731
+    assert waits.answer("first", 64, pending, free, lambda: 0.0) is None
+    clock.now += FIRST_WAIT / 2
+    assert waits.answer("first", 64, pending, free, lambda: 0.0) is None
+    clock.now += FIRST_WAIT
+    assert waits.answer("first", 64, pending, free, lambda: 0.0) is False
+    assert skipped == [LOOKUP_WAIT] and not waits.late
+    assert waits.answer("second", 64, pending, free, lambda: 0.0) is None
+    for _ in range(PREFILL_SETTLED - 1):
+        prefill.add(10.0, 1000)
+    clock.now += 2 * FIRST_WAIT  # settled: within the 0.67 s budget
+    assert waits.answer("second", 64, pending, free, lambda: 0.0) is None
+
+
+def test_a_probe_that_finds_nothing_to_load_leaves_the_probe_to_the_next_request():
+    """An engine's first requests (its warm-ups) find nothing on the volume: a probe
+    spent on them measures no load, and every later request would be priced on the
+    round-trip estimate alone (GlusterFS with a writer: skipped in every round, the
+    load never measured). The probe passes to the next request priced slower, until
+    one has a key there to load; then the next probe is PROBE_EVERY requests on."""
+    from kvtier_offload.recompute_bound import PROBE_EVERY, RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    slower = lambda tokens: 1.0  # noqa: E731 (1 s for 64 tokens recomputed in 64 ms)
+    missing = lambda patient: False  # noqa: E731
+    assert [waits.answer(f"w{i}", 64, missing, slower, lambda: None)
+            for i in range(3)] == [False] * 3  # misses, not skips
+    assert skipped == []
+    assert waits.answer("r0", 64, lambda p: True, slower, lambda: None) is True  # probes
+    answers = [waits.answer(f"r{i}", 64, lambda p: True, slower, lambda: None)
+               for i in range(1, PROBE_EVERY + 1)]
+    assert [i + 1 for i, a in enumerate(answers) if a] == [PROBE_EVERY - 3]
+    # a probe cut before any answer (its lookups too late) passes it on as well
+    waits2 = RequestWaits(prefill_at(0.001), 32, skipped.append, clock)
+    assert waits2.answer("p", 64, lambda p: None, slower, lambda: None) is None
+    clock.now += 1.0
+    assert waits2.answer("p", 64, lambda p: None, slower, lambda: None) is False
+    assert waits2.answer("q", 64, lambda p: True, slower, lambda: None) is True
+
+
+def test_a_requests_first_lookup_is_priced_with_its_whole_prefix_at_stake():
+    """vLLM asks a prefix key by key, but records every key's position first: priced at
+    the first key alone, one chunk's recompute (64 ms) is cheaper than three round
+    trips (90 ms), and every request on a network volume was decided against the tier
+    there; priced over the 16 keys the engine recorded, the load (8 rounds of 2
+    threads, 0.72 s) beats recompute (1.02 s)."""
+    from kvtier_offload.recompute_bound import RequestWaits, load_estimate
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(prefill_at(0.001), 64, skipped.append, clock)
+    price = lambda tokens: load_estimate(tokens, Rate(), 0.03, 64, 2)  # noqa: E731
+    there = lambda patient: True  # noqa: E731
+    assert waits.answer("probe", 64, there, price, lambda: None) is True  # spends it
+    assert waits.answer("alone", 64, there, price, lambda: None) is False
+    assert waits.answer("whole", 64, there, price, lambda: None, lambda: 1024) is True
+    assert waits.get("whole").at_stake == 1024
+    assert skipped == [LOAD_SLOWER]
+
+
+def test_a_request_priced_late_before_it_waited_leaves_the_next_ones_to_their_price():
+    """Stopped at its first lookup by the price alone (the expected wait past its
+    budget), a request learned nothing a later one's price would not: only a request
+    that spent a wait and still came too late makes the next ones stop unpriced."""
+    from kvtier_offload.recompute_bound import RequestWaits
+
+    clock = Clock()
+    waits = RequestWaits(prefill_at(0.001), 32, lambda reason: None, clock)
+    pending = lambda patient: None  # noqa: E731
+    free = lambda tokens: None  # noqa: E731
+    assert waits.answer("r0", 64, pending, free, lambda: 1.0) is False
+    assert not waits.late
+    assert waits.answer("r1", 64, pending, free, lambda: 0.0) is None

