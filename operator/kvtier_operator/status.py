@@ -337,9 +337,10 @@ def _hits(counters: dict[Key, float], pod: dict[Key, float]
         tiers = group.split(SHARED_TIERS_SEPARATOR)
         loaded = {t: pod.get(("bytes_loaded", t)) or 0.0 for t in tiers}
         basis = sum(loaded.values())
-        if not tokens:
+        if not tokens:  # none to split: each tier's share of them is none
             for t in tiers:
                 hits[t] = hits.get(t, 0.0)
+            derived.update(tiers)
         elif basis > 0:
             for t in tiers:
                 hits[t] = hits.get(t, 0.0) + tokens * loaded[t] / basis

@@ -179,3 +179,13 @@ def test_reconcile_goes_on_when_the_figures_cannot_be_made_into_status(monkeypat
 def test_no_share_without_a_positive_finite_whole_and_part(part: float, whole: float):
     from kvtier_operator.status import _pct
     assert _pct(part, whole) is None
+
+
+def test_tiers_counted_together_are_derived_even_with_no_tokens():
+    from tests.operator.unit.test_observe_file_tiers import local_disk_tpc
+    tpc = local_disk_tpc()
+    obs = summed({("prompt_tokens", ""): 400.0, ("recomputed_tokens", ""): 400.0,
+                  ("shared_hit_tokens", "localDisk,storage"): 0.0})
+    tiers = by_name(observed_tiers(tpc, offloaded(tpc), obs, None, enabled=True))
+    assert tiers["localDisk"].hit_percent == 0.0
+    assert tiers["localDisk"].hit_source == tiers["storage"].hit_source == "derived"
