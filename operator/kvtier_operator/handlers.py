@@ -29,6 +29,7 @@ from kvtier_operator.gateway import ApiRejected, Gateway, RetryableError
 from kvtier_operator.observe import EvictorRun, PodView, evictor_run, pod_view
 from kvtier_operator.observe.observer import CacheTargets, Observer, ObserveSettings, Target
 from kvtier_operator.reconcile import Outcome, reconcile
+from kvtier_operator.render.pod import config_hash
 
 log = logging.getLogger("kvtier_operator")
 TPC = (GROUP, VERSION, PLURAL)
@@ -104,25 +105,8 @@ def run_reconcile(body: dict[str, Any], gw: Gateway, config: OperatorConfig,
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
     invalid = any(c.reason == "InvalidSpec" for c in outcome.status.conditions or [])
     metrics.RECONCILES.labels("invalid" if invalid else "ok" if outcome.ok else "degraded").inc()
-    if not invalid:
-        labels = (meta.get("namespace", ""), meta.get("name", ""))
-        st = outcome.status
-        metrics.INJECTED_PODS.labels(*labels).set(st.injected_pods or 0)
-        metrics.PENDING_PODS.labels(*labels).set(st.pending_pods or 0)
-        metrics.READY.labels(*labels).set(
-            st.conditions is not None and st.conditions[0].status == "True")
-        if st.usage is not None and st.usage.percent is not None:
-            metrics.VOLUME_USAGE.labels(*labels).set(st.usage.percent)
-        if st.last_eviction is not None:
-            metrics.EVICTED_FILES.labels(*labels).set(st.last_eviction.files_deleted or 0)
-            metrics.EVICTED_BYTES.labels(*labels).set(st.last_eviction.bytes_freed or 0)
-            last = st.last_eviction
-            if last.events_published is not None:
-                for outcome_, count in (("published", last.events_published),
-                                        ("dropped", last.events_dropped),
-                                        ("ignored", last.events_ignored)):
-                    metrics.EVICTION_EVENTS.labels(*labels, outcome_).set(count or 0)
-        metrics.export_tiers(labels, st)
+    metrics.export_status((meta.get("namespace", ""), meta.get("name", "")), outcome.status,
+                          valid=not invalid)
     return outcome
 
 
@@ -135,6 +119,7 @@ def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
         for tpc in caches:
             adapter = adapter_for(tpc.spec)
             port = adapter.launcher.metrics_port
+            digest = config_hash(tpc, config.render)
             targets = []
             for pod in in_ns:
                 # A pod without an address is not serving yet: nothing to read, no problem.
@@ -143,7 +128,8 @@ def observe_targets(config: OperatorConfig, pods: Callable[[str], list[PodView]]
                 url = pod.metrics_url(port)
                 targets.append(Target(pod=pod.name, uid=pod.uid, url=url, problem=None if url
                                       else "no metrics port known: set the pod annotation "
-                                      "kvtier.dev/metrics-port"))
+                                      "kvtier.dev/metrics-port",
+                                      current_config=pod.config_hash == digest))
             out.append(CacheTargets(ns, tpc.name, adapter, adapter.offloaded_tiers(tpc.spec),
                                     tuple(targets)))
     return out
@@ -187,6 +173,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.on.event(*TPC, id="kvtier_cache_registry", registry=registry)
     def observe_cache(type: str | None, body: kopf.Body, **_: Any) -> None:
         config.caches.observe(type or "ADDED", dict(body))
+        if type == "DELETED":  # no delete handler (no finalizer): the watch says so
+            meta = body.get("metadata") or {}
+            metrics.forget_cache((meta.get("namespace", ""), meta.get("name", "")))
 
     state: dict[str, asyncio.Task[None] | None] = {"drift": None, "observe": None}
 

@@ -78,8 +78,28 @@ def _set(gauge: Gauge, labels: tuple[str, ...], value: float | None) -> None:
         gauge.labels(*labels).set(value)
 
 
+# The tiers each cache's gauges were last set for: a tier that leaves status.tiers (or a
+# cache that stops being observed, turns invalid or is deleted) takes its samples along.
+_EXPORTED_TIERS: dict[tuple[str, str], set[str]] = {}
+_TIER_GAUGES = (*(gauge for gauge, _ in _TIER_FIGURES), TIER_LOAD_P50, TIER_LOAD_P99,
+                TIER_SKIPPED)
+_CACHE_GAUGES = (INJECTED_PODS, PENDING_PODS, VOLUME_USAGE, EVICTED_FILES, EVICTED_BYTES,
+                 READY, RECOMPUTE, HIT)
+
+
+def _remove_tier(cache: tuple[str, str], tier: str) -> None:
+    for gauge in _TIER_GAUGES:
+        _set(gauge, (*cache, tier), None)
+
+
 def export_tiers(cache: tuple[str, str], status: TieredPrefixCacheStatus) -> None:
-    """The status's tier figures as kvtier_tier_* gauges; absent figures: no sample."""
+    """The status's tier figures as kvtier_tier_* gauges; absent figures: no sample, and
+    tiers no longer in the status (none where it has no tiers): no samples at all."""
+    current = {tier.name for tier in status.tiers or []}
+    for gone in _EXPORTED_TIERS.pop(cache, set()) - current:
+        _remove_tier(cache, gone)
+    if current:
+        _EXPORTED_TIERS[cache] = current
     for tier in status.tiers or []:
         labels = (*cache, tier.name)
         for gauge, attr in _TIER_FIGURES:
@@ -90,3 +110,38 @@ def export_tiers(cache: tuple[str, str], status: TieredPrefixCacheStatus) -> Non
         _set(TIER_SKIPPED, labels, tier.skipped.requests if tier.skipped else None)
     _set(RECOMPUTE, cache, status.recompute.percent if status.recompute else None)
     _set(HIT, cache, status.hit_percent)
+
+
+def export_status(cache: tuple[str, str], status: TieredPrefixCacheStatus,
+                  valid: bool) -> None:
+    """A reconciled cache's gauges; an invalid cache has none (its figures would be a
+    previous spec's)."""
+    if not valid:
+        forget_cache(cache)
+        return
+    INJECTED_PODS.labels(*cache).set(status.injected_pods or 0)
+    PENDING_PODS.labels(*cache).set(status.pending_pods or 0)
+    READY.labels(*cache).set(
+        status.conditions is not None and status.conditions[0].status == "True")
+    if status.usage is not None and status.usage.percent is not None:
+        VOLUME_USAGE.labels(*cache).set(status.usage.percent)
+    last = status.last_eviction
+    if last is not None:
+        EVICTED_FILES.labels(*cache).set(last.files_deleted or 0)
+        EVICTED_BYTES.labels(*cache).set(last.bytes_freed or 0)
+        if last.events_published is not None:
+            for outcome, count in (("published", last.events_published),
+                                   ("dropped", last.events_dropped),
+                                   ("ignored", last.events_ignored)):
+                EVICTION_EVENTS.labels(*cache, outcome).set(count or 0)
+    export_tiers(cache, status)
+
+
+def forget_cache(cache: tuple[str, str]) -> None:
+    """Every gauge sample of one cache (deleted, or invalid): none of another's."""
+    for tier in _EXPORTED_TIERS.pop(cache, set()):
+        _remove_tier(cache, tier)
+    for gauge in _CACHE_GAUGES:
+        _set(gauge, cache, None)
+    for outcome in ("published", "dropped", "ignored"):
+        _set(EVICTION_EVENTS, (*cache, outcome), None)

@@ -304,9 +304,10 @@ def reconcile(body: dict[str, Any], gw: Gateway, ctx: RenderContext, pods: list[
     _, usage = eviction_status(run)
     tiers = observed_tiers(tpc, adapter.offloaded_tiers(tpc.spec), observed, usage, observing,
                            run)
-    if tiers.cpu_capacity_tokens is not None and tpc.spec.cpu is not None:
-        ctx = replace(ctx, observed_cpu_blocks=tiers.cpu_capacity_tokens
-                      // adapter.router_block_size(tpc.spec))
+    observed_blocks = None if tiers.cpu_capacity_tokens is None else \
+        tiers.cpu_capacity_tokens // adapter.router_block_size(tpc.spec)
+    if observed_blocks and tpc.spec.cpu is not None:  # under one block: the computed one
+        ctx = replace(ctx, observed_cpu_blocks=observed_blocks)
     storage = reconcile_storage(tpc, gw, events)
     cronjob = render_cronjob(tpc, ctx)
     # The pods' identities the evictor publishes its removals under: updated as pods come

@@ -28,8 +28,10 @@ from kvtier_operator.api.v1alpha1 import (
     UsageStatus,
 )
 from kvtier_operator.engines.figures import (
+    BYTES_LOADED,
     DROPPED_WRITES,
     OFFLOADED,
+    PROMOTED_BYTES,
     SHARED_HIT_TOKENS,
     SHARED_TIERS_SEPARATOR,
     STORES,
@@ -38,6 +40,7 @@ from kvtier_operator.engines.figures import (
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
+from kvtier_operator.observe.reads import LATE
 from kvtier_operator.observe.window import OVERFLOW, PodSums, WindowSum, quantile
 
 log = logging.getLogger("kvtier_operator.status")
@@ -262,6 +265,11 @@ SKIPPED_PERCENT = 20.0  # of the requests prefilled, before a skipped tier is ad
 MIN_REQUESTS = 20
 DROPPED_WRITES_PERCENT = 10.0  # of the stores asked of a tier, before drops are advice
 MIN_STORES = 20
+# The most characters of an advice or metrics condition's message (and of its Event):
+# figures, reasons and problems come from pods, so nothing they say grows it further.
+MAX_MESSAGE = 2000
+# Dropped-write reasons a WritesDropped message names: the largest ones.
+MAX_REASONS_SAID = 6
 # Where a tier's write threads are set, for the advice on dropped writes.
 WRITE_THREADS_FIELD = {"storage": "spec.storage.writeThreads",
                        "localDisk": "spec.localDisk.writeThreads",
@@ -322,26 +330,39 @@ def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     return out
 
 
+def _split_basis(pod: dict[Key, float], tiers: list[str]) -> dict[str, float] | None:
+    """What to split several tiers' shared hits by: each tier's bytes loaded over the
+    pod's window (kvtier's backend), else the bytes the engine promoted from it,
+    whichever every one of them has a figure for; None where neither (a missing figure
+    is never taken as a zero)."""
+    for figure in (BYTES_LOADED, PROMOTED_BYTES):
+        basis = {t: pod.get((figure, t)) for t in tiers}
+        if all(v is not None and v >= 0 for v in basis.values()):
+            return {t: v or 0.0 for t, v in basis.items()}
+    return None
+
+
 def _hits(counters: dict[Key, float], pod: dict[Key, float]
           ) -> tuple[dict[str, float], set[str]]:
     """Prompt tokens served per tier (a pod's over the window, or over one step of it),
     and which tiers' figures are derived: where the engine counts several tiers together
     (SHARED_HIT_TOKENS), their tokens are split by each tier's bytes loaded over the
-    pod's window (one block holds as many tokens in any tier). Without bytes loaded to
-    split by, they stay together under `offloaded`."""
+    pod's window (one block holds as many tokens in any tier; _split_basis). Without a
+    figure for every one of them, or with none loaded, they stay together under
+    `offloaded`."""
     hits = {tier: v for (figure, tier), v in counters.items() if figure == "hit_tokens"}
     derived: set[str] = set()
     for (figure, group), tokens in counters.items():
         if figure != SHARED_HIT_TOKENS:
             continue
         tiers = group.split(SHARED_TIERS_SEPARATOR)
-        loaded = {t: pod.get(("bytes_loaded", t)) or 0.0 for t in tiers}
-        basis = sum(loaded.values())
+        loaded = _split_basis(pod, tiers)
+        basis = sum(loaded.values()) if loaded else 0.0
         if not tokens:  # none to split: each tier's share of them is none
             for t in tiers:
                 hits[t] = hits.get(t, 0.0)
             derived.update(tiers)
-        elif basis > 0:
+        elif loaded and basis > 0:
             for t in tiers:
                 hits[t] = hits.get(t, 0.0) + tokens * loaded[t] / basis
             derived.update(tiers)
@@ -456,7 +477,9 @@ def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         tokens=_int(recomputed),
                                     prompt_tokens=_int(prompt), observed_at=obs.observed_at)
     out.hit_percent = _share((_offloaded(hits), p) for hits, p in step_hits)
-    capacity = w.gauges.get(("capacity_tokens", "cpu"))
+    # The router's LRU is sized from it: only a positive, finite figure counts.
+    capacity = [v for v in w.gauges.get(("capacity_tokens", "cpu"), ())
+                if math.isfinite(v) and v >= 1]
     out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
     out.advice = _advice(tpc, w, tiers, prompt, last_run)
     return out
@@ -498,13 +521,23 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
                     "kvtier reads no figures from this engine's metrics")
     if obs.pods_selected == 0:
         return Cond("Unknown", "NoPodsToRead", "no injected pod to read yet")
-    if obs.pods_unreadable:
-        first = obs.problems[0] if obs.problems else ""
-        return Cond("False", "MetricsUnreadable",
-                    f"{obs.pods_unreadable} of {obs.pods_selected} pod(s) gave no figures "
-                    f"({first}); open the metrics port to the operator, fix the page, or "
-                    "set the kvtier.dev/metrics-port annotation")
+    failed = obs.pods_unreadable - obs.pods_late
+    late = (f"{obs.pods_late} of {obs.pods_selected} pod(s) not read this round: the "
+            "operator's time to parse pages went to other pods' slow pages; read again "
+            "next round") if obs.pods_late else ""
+    if failed > 0:
+        first = next((p for p in obs.problems if not p.endswith(LATE)), "")
+        return Cond("False", "MetricsUnreadable", _bounded(
+            f"{failed} of {obs.pods_selected} pod(s) gave no figures ({first}); open the "
+            "metrics port to the operator, fix the page, or set the "
+            "kvtier.dev/metrics-port annotation" + (f"; {late}" if late else "")))
+    if late:  # the operator's own budget, not the pods': nothing to fix on them
+        return Cond("Unknown", "MetricsReadLate", late)
     return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
+
+
+def _bounded(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
 
 
 def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
@@ -523,58 +556,124 @@ def _skipped_advice(tier: str, skipped: SkippedStatus, requests: float) -> str:
             + "; ".join(why or ["for a reason this kvtier does not know"]))
 
 
-# The backend's reason for dropping a store when the volume is at its free-space floor
-# (kvtier_offload.store); every other reason is writes not keeping up.
+# The backend's reasons for dropping a store (kept by the engines' readers, e.g.
+# engines/vllm/metrics.py DROP_REASONS), each with its own fix; every other reason is
+# writes not keeping up.
 FREE_SPACE_FLOOR = "free-space-floor"
+PARTIAL_FILE = "partial-file"
+STAGING_FULL = "staging-full"
+# Where a tier's host staging buffer is sized (GPU-direct mode, without a CPU tier).
+STAGING_SIZE_FIELD = "spec.storage.hostStagingSize"
+
+
+def _floor_fix(tier: str, count: float) -> str:
+    if tier == "localDisk":
+        return (f"{int(count)} at the local disk's free-space floor: the disk fills before "
+                "the tier reaches its own bound; set spec.localDisk.capacity below the "
+                "space the disk really has (the tier evicts at it), or give it a larger disk")
+    return (f"{int(count)} at the volume's free-space floor: evict more "
+            "(eviction.schedule, highWatermark) or grow the volume")
 
 
 def _dropped_advice(tier: str, w: WindowSum, dropped: float, stores: float) -> str:
     reasons = {figure.partition(":")[2]: v for (figure, t), v in w.counters.items()
                if t == tier and figure.startswith(f"{DROPPED_WRITES}:") and v}
     floor = reasons.pop(FREE_SPACE_FLOOR, 0.0)
-    said = ", ".join(f"{int(v)} {reason}" for reason, v in sorted(reasons.items()))
+    partial = reasons.pop(PARTIAL_FILE, 0.0)
+    staging = reasons.pop(STAGING_FULL, 0.0)
+    largest = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_REASONS_SAID]
+    said = ", ".join(f"{int(v)} {reason[:40]}" for reason, v in sorted(largest))
     fixes = []
-    if reasons or not floor:
+    if reasons or not (floor or partial or staging):
         threads = WRITE_THREADS_FIELD.get(tier)
         more = f"more write threads ({threads})" if threads else "more write threads"
         fixes.append(f"its writes do not keep up ({said or 'reason unknown'}): a faster "
                      f"volume or {more}")
+    if staging:
+        fixes.append(f"{int(staging)} with the host staging buffer full: a larger "
+                     f"{STAGING_SIZE_FIELD}")
+    if partial:
+        fixes.append(f"{int(partial)} partial-file: chunks whose blocks had left the "
+                     "model's sliding-window (hybrid) layers before they were stored; a "
+                     "property of the model's layers that no setting changes")
     if floor:
-        fixes.append(f"{int(floor)} at the volume's free-space floor: evict more "
-                     "(eviction.schedule, highWatermark) or grow the volume")
+        fixes.append(_floor_fix(tier, floor))
     return (f"the {tier} tier dropped {int(dropped)} of {int(stores)} block stores "
             f"({100.0 * dropped / stores:.0f}%, over {DROPPED_WRITES_PERCENT:g}%) rather than "
             "write them; " + "; ".join(fixes))
+
+
+def _loads_advice(w: WindowSum, tiers: list[TierStatus], cpu: TierStatus | None,
+                  found: list[tuple[str, str]]) -> None:
+    """LoadsFailing and VolumeSlowerThanRecompute, per tier behind HBM (on the tier's
+    own hit tokens: the engine's, or split by status from a shared count)."""
+    prefill = w.counters.get(("prefill_seconds", ""))
+    computed = w.counters.get(("recomputed_tokens", ""))
+    for tier in tiers:
+        if tier.name in ("gpu", "cpu", OFFLOADED):
+            continue
+        loads = w.counters.get(("loads", tier.name))
+        failed = w.counters.get(("failed_loads", tier.name))
+        if loads and failed is not None and loads >= MIN_LOADS and \
+                100.0 * failed / loads > FAILING_LOADS_PERCENT:
+            found.append(("LoadsFailing",
+                          f"{100.0 * failed / loads:.1f}% of {int(loads)} loads from the "
+                          f"{tier.name} tier failed and were recomputed (over "
+                          f"{FAILING_LOADS_PERCENT:g}%); see the pods' "
+                          "kvtier_offload_corrupt_files and the tier's volume's health"))
+        # Its loads: straight into HBM without a CPU tier, promotions into the CPU tier
+        # with one (the engines' readers file either as the tier's load time).
+        load_time = w.counters.get(("load_time_seconds", tier.name))
+        if load_time and tier.hit_tokens and prefill and computed:
+            per_load, per_compute = load_time / tier.hit_tokens, prefill / computed
+            if per_load > per_compute:
+                into = " into the CPU tier" if cpu is not None else ""
+                where = "the volume" if tier.name == "storage" else f"the {tier.name} tier"
+                found.append(("VolumeSlowerThanRecompute",
+                              f"loading from {where}{into} takes {per_load * 1e6:.1f} us "
+                              f"per token, computing {per_compute * 1e6:.1f} us (the "
+                              f"engine's prefill time); a faster volume for {where}, or "
+                              "fewer tokens per file (router.blockSize), or no "
+                              f"{tier.name} tier for this model"))
+
+
+def _cpu_advice(tpc: TieredPrefixCache, tiers: list[TierStatus], cpu: TierStatus | None,
+                prompt: float | None, found: list[tuple[str, str]]) -> None:
+    """CpuTierTooSmall or CpuTierIdle, never both: a full CPU tier whose hits went to the
+    volume is too small, whatever share it served itself."""
+    if cpu is None or cpu.hit_tokens is None or not prompt:
+        return
+    behind = [t.hit_tokens or 0 for t in tiers if t.name not in ("gpu", "cpu")]
+    storage = next((t.hit_tokens for t in tiers if t.name == "storage"), None)
+    offloaded_hits = cpu.hit_tokens + sum(behind)
+    if storage and offloaded_hits:
+        share = 100.0 * storage / offloaded_hits
+        full = cpu.used_percent is None or cpu.used_percent >= CPU_FULL_PERCENT
+        if share > TOO_SMALL_STORAGE_SHARE and full:
+            found.append(("CpuTierTooSmall",
+                          f"{share:.0f}% of offloaded hits came from the volume, not the CPU "
+                          f"tier ({tpc.spec.cpu.size if tpc.spec.cpu else '?'}"
+                          + (f", {cpu.used_percent:.0f}% used" if cpu.used_percent is not None
+                             else "") + "); grow spec.cpu.size"))
+            return
+    if prompt >= MIN_PROMPT_TOKENS and 100.0 * cpu.hit_tokens / prompt < IDLE_CPU_PERCENT:
+        needed = [field for field, set_ in (("spec.localDisk", tpc.spec.local_disk),
+                                            ("spec.objectStore", tpc.spec.object_store))
+                  if set_ is not None]
+        fix = (f"shrink spec.cpu (it stays: {' and '.join(needed)} need a CPU tier)"
+               if needed else "shrink or drop spec.cpu")
+        found.append(("CpuTierIdle",
+                      f"the CPU tier served {100.0 * cpu.hit_tokens / prompt:.2f}% of "
+                      f"{int(prompt)} prompt tokens; {fix}, or route repeated prefixes to "
+                      "the same replicas"))
 
 
 def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
             prompt: float | None, run: EvictorRun | None) -> Cond:
     by = {t.name: t for t in tiers}
     found: list[tuple[str, str]] = []
-    storage, cpu = by.get("storage"), by.get("cpu")
-    loads = w.counters.get(("loads", "storage"))
-    failed = w.counters.get(("failed_loads", "storage"))
-    if loads and failed is not None and loads >= MIN_LOADS and \
-            100.0 * failed / loads > FAILING_LOADS_PERCENT:
-        found.append(("LoadsFailing",
-                      f"{100.0 * failed / loads:.1f}% of {int(loads)} loads from the volume "
-                      f"failed and were recomputed (over {FAILING_LOADS_PERCENT:g}%); see the "
-                      "pods' kvtier_offload_corrupt_files and the volume's health"))
-    # The volume's loads: straight into HBM without a CPU tier, promotions into the CPU
-    # tier with one (the engines' readers file either as the storage tier's load time).
-    load_time = w.counters.get(("load_time_seconds", "storage"))
-    loaded_hits = w.counters.get(("hit_tokens", "storage"))
-    prefill = w.counters.get(("prefill_seconds", ""))
-    computed = w.counters.get(("recomputed_tokens", ""))
-    if load_time and loaded_hits and prefill and computed:
-        per_load, per_compute = load_time / loaded_hits, prefill / computed
-        if per_load > per_compute:
-            into = " into the CPU tier" if cpu is not None else ""
-            found.append(("VolumeSlowerThanRecompute",
-                          f"loading from the volume{into} takes {per_load * 1e6:.1f} us per "
-                          f"token, computing {per_compute * 1e6:.1f} us (the engine's prefill "
-                          "time); a faster volume, or fewer tokens per file "
-                          "(router.blockSize), or no shared tier for this model"))
+    cpu = by.get("cpu")
+    _loads_advice(w, tiers, cpu, found)
     for tier in tiers:
         dropped, stores = w.counters.get((DROPPED_WRITES, tier.name)), \
             w.counters.get((STORES, tier.name))
@@ -588,22 +687,7 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
                 requests < MIN_REQUESTS or 100.0 * skipped.requests / requests <= SKIPPED_PERCENT:
             continue
         found.append(("TierSkipped", _skipped_advice(tier.name, skipped, requests)))
-    if cpu is not None and storage is not None and cpu.hit_tokens is not None and \
-            storage.hit_tokens and prompt:
-        share = 100.0 * storage.hit_tokens / (storage.hit_tokens + cpu.hit_tokens)
-        full = cpu.used_percent is None or cpu.used_percent >= CPU_FULL_PERCENT
-        if share > TOO_SMALL_STORAGE_SHARE and full:
-            found.append(("CpuTierTooSmall",
-                          f"{share:.0f}% of offloaded hits came from the volume, not the CPU "
-                          f"tier ({tpc.spec.cpu.size if tpc.spec.cpu else '?'}"
-                          + (f", {cpu.used_percent:.0f}% used" if cpu.used_percent is not None
-                             else "") + "); grow spec.cpu.size"))
-    if cpu is not None and cpu.hit_tokens is not None and prompt and \
-            prompt >= MIN_PROMPT_TOKENS and 100.0 * cpu.hit_tokens / prompt < IDLE_CPU_PERCENT:
-        found.append(("CpuTierIdle",
-                      f"the CPU tier served {100.0 * cpu.hit_tokens / prompt:.2f}% of "
-                      f"{int(prompt)} prompt tokens; shrink or drop spec.cpu, or route "
-                      "repeated prefixes to the same replicas"))
+    _cpu_advice(tpc, tiers, cpu, prompt, found)
     high = tpc.spec.eviction.high_watermark
     if run is not None and run.report is not None and tpc.spec.storage is not None and \
             run.report.usage_after.percent >= high:
@@ -612,7 +696,7 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
                       f"last evictor run (highWatermark {high}%); run it more often "
                       "(eviction.schedule), lower minIdle, or grow the claim"))
     if found:
-        return Cond("False", found[0][0], "; ".join(m for _, m in found))
+        return Cond("False", found[0][0], _bounded("; ".join(m for _, m in found)))
     if not prompt:
         return Cond("Unknown", "NotEnoughTraffic", "no prompt tokens over the window yet")
     return Cond("True", "TiersEffective",

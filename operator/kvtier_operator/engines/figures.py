@@ -38,6 +38,9 @@ SKIPPED_REQUESTS = "skipped_requests"
 # SHARED_TIERS_SEPARATOR, and status splits the tokens among them by their bytes loaded.
 SHARED_HIT_TOKENS = "shared_hit_tokens"
 SHARED_TIERS_SEPARATOR = ","
+# Bytes the engine itself says it promoted from a tier behind its CPU tier (vLLM's
+# tiering read bytes): the split's basis where some tier's backend counts no bytes loaded.
+PROMOTED_BYTES = "promoted_bytes"
 # Blocks the backend dropped rather than write (its write queue over budget, writers
 # backing off, the free-space floor) and the stores asked of the tier in all (written,
 # already there, failed or dropped); by the backend's reason under

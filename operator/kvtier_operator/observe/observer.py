@@ -18,11 +18,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier_operator.engines.base import Adapter
+from kvtier_operator.engines.figures import CAPACITY_BYTES, CAPACITY_TOKENS, PodFigures
 from kvtier_operator.observe.reading_process import ReadingProcess
-from kvtier_operator.observe.reads import ReadJob, ReadSettings, unpack
+from kvtier_operator.observe.reads import LATE, ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
 log = logging.getLogger("kvtier_operator.observe")
@@ -60,6 +61,9 @@ class Target:
     uid: str
     url: str | None  # None: no address yet (why in `problem`)
     problem: str | None = None
+    # Whether the pod carries the cache's current config: a pod on an older one reports
+    # that config's capacities, which must not size anything now (on_config).
+    current_config: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,15 @@ class CacheTargets:
     adapter: Adapter
     offloaded: tuple[str, ...]
     pods: tuple[Target, ...]
+
+
+def on_config(figures: PodFigures, current: bool) -> PodFigures:
+    """A pod's figures, less its capacities where it runs an older config than the
+    cache's current one (they size the router's LRU: only the current config's may)."""
+    if current:
+        return figures
+    return replace(figures, gauges={key: v for key, v in figures.gauges.items()
+                                    if key[0] not in (CAPACITY_BYTES, CAPACITY_TOKENS)})
 
 
 @dataclass
@@ -82,6 +95,9 @@ class CacheObservation:
     observed_at: str  # RFC 3339
     reads: bool  # False: the engine exports nothing kvtier reads
     pods_selected: int = 0
+    # Of pods_unreadable: pods not read because the round's parse time ran out (LATE),
+    # the operator's budget, not the pod's fault.
+    pods_late: int = 0
 
 
 # Pods folded into the window between two yields to the event loop, or less where
@@ -132,12 +148,13 @@ class Observer:
                 continue
             if figures is None:
                 obs.pods_unreadable += 1
+                obs.pods_late += problem == LATE
                 if len(obs.problems) < MAX_PROBLEMS:
                     obs.problems.append(f"pod {target.pod}: {problem}")
                 continue
             obs.pods_read += 1
             history = self._histories.setdefault(key, PodHistory())
-            history.add(at, figures, self.settings.window)
+            history.add(at, on_config(figures, target.current_config), self.settings.window)
             obs.window.add(history, at)
         for gone in set(self._histories) - seen:
             del self._histories[gone]  # pods no longer selected

@@ -20,7 +20,10 @@ real API servers, tests/fixtures/metrics/).
   beside the stores asked (`_operations{direction="store"}`, `_failed_writes`), each
   series labelled by its tier (localDisk, storage, objectStore). Where several of those
   tiers are configured, vLLM's "disk" hits cover them together (SHARED_HIT_TOKENS),
-  which status splits by each tier's bytes loaded. They reach /metrics through vLLM's
+  which status splits by each tier's bytes loaded, else by the bytes vLLM promoted from
+  each (`vllm:kv_offload_tiering_read_bytes`, PROMOTED_BYTES: vLLM's own fs tier has no
+  kvtier series). A tier without kvtier's series gets none of their figures, no zeros.
+  They reach /metrics through vLLM's
   stats channel when kvtier's tier runs under vLLM's TieringOffloadingSpec, and in
   GPU-direct mode through prometheus-client's multiprocess directory that kvtier
   renders (PROMETHEUS_MULTIPROC_DIR); where absent, `missing` says why.
@@ -46,6 +49,7 @@ from kvtier_operator.engines.figures import (
     LOADS,
     OFFLOADED,
     PREFILL_SECONDS,
+    PROMOTED_BYTES,
     PROMPT_TOKENS,
     RECOMPUTED_TOKENS,
     REQUESTS,
@@ -74,8 +78,20 @@ KVTIER_UNREACHED = ("kvtier's backend metrics are not on this page: in GPU-direc
                     "PROMETHEUS_MULTIPROC_DIR, which kvtier renders for this mode (a pod "
                     "injected by an older kvtier lacks it: restart it; one that sets it "
                     "itself must point it at an empty directory)")
+# The reasons kvtier's backend labels its dropped stores and skipped requests with
+# (offload/kvtier_offload: store.py and object_store.py "queue-full" and
+# "free-space-floor", write_admission.py's WriteAdmission.late "stale" and "backoff",
+# vllm_spec.py "staging-full" and "partial-file"; recompute_bound.py LOOKUP_WAIT and
+# LOAD_SLOWER). This reader may not import the backend: keep these in step with it
+# (tests/operator/unit/test_observe_hostile_reasons.py checks). Any other label a pod
+# sends is counted under OTHER_REASON, so a pod cannot grow the status or its messages.
+DROP_REASONS = frozenset({"queue-full", "stale", "backoff", "free-space-floor",
+                          "staging-full", "partial-file"})
+SKIP_REASONS = frozenset({"lookup-wait", "load-slower"})
+OTHER_REASON = "other"
 CONFIG_INFO = "vllm:kv_offload_config_info"
 TIERING_READ_TIME = "vllm:kv_offload_tiering_read_time"
+TIERING_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 CPU_INFO_LABELS = ("cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes",
                    "cpu_kv_cache_size_tokens")
 # Every family read below (the observer parses only these).
@@ -85,6 +101,7 @@ FAMILIES = frozenset({
     "vllm:kv_offload_load_bytes", "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_time",
     "vllm:request_prefill_time_seconds", "vllm:kv_cache_usage_perc",
     "vllm:kv_offload_cpu_cache_usage_perc", "vllm:kv_offload_config", TIERING_READ_TIME,
+    TIERING_READ_BYTES,
     "kvtier_offload_bytes", "kvtier_offload_operations", "kvtier_offload_latency_seconds",
     "kvtier_offload_corrupt_files", "kvtier_offload_capacity_bytes", "kvtier_offload_used_bytes",
     "kvtier_offload_tier_skipped", "kvtier_offload_dropped_writes",
@@ -152,17 +169,21 @@ def _hits(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
 
 def _promotions(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
     """Each tier behind the CPU tier: the time vLLM spent promoting blocks from it (its
-    loads), for the advice only. vLLM creates the series at a tier's first promotion:
-    until then (or where a value is not finite) the figure is absent, never a zero."""
-    times: dict[str, float] = {}
-    for labels, value in samples.get(f"{TIERING_READ_TIME}_total", ()):
-        index, _, _ = labels.get("tier", "").partition(":")
-        if index.isdigit() and 0 < int(index) < len(offloaded):
-            tier = offloaded[int(index)]
-            times[tier] = times.get(tier, 0.0) + value
-    for tier, seconds in times.items():
-        if math.isfinite(seconds):
-            f.counters[(LOAD_TIME, tier)] = seconds
+    loads, for the advice) and the bytes it promoted (the basis for splitting vLLM's
+    "disk" hits where a tier's backend counts no bytes loaded: vLLM's own fs tier). vLLM
+    creates the series at a tier's first promotion: until then (or where a value is not
+    finite) the figure is absent, never a zero."""
+    for family, figure in ((TIERING_READ_TIME, LOAD_TIME),
+                           (TIERING_READ_BYTES, PROMOTED_BYTES)):
+        per_tier: dict[str, float] = {}
+        for labels, value in samples.get(f"{family}_total", ()):
+            index, _, _ = labels.get("tier", "").partition(":")
+            if index.isdigit() and 0 < int(index) < len(offloaded):
+                tier = offloaded[int(index)]
+                per_tier[tier] = per_tier.get(tier, 0.0) + value
+        for tier, value in per_tier.items():
+            if math.isfinite(value) and value >= 0:
+                f.counters[(figure, tier)] = value
 
 
 def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None:
@@ -176,7 +197,15 @@ def _kvtier(f: PodFigures, samples: Samples, offloaded: tuple[str, ...]) -> None
         return
     labelled = _by_tier(samples)
     for tier in tiers:
-        _kvtier_tier(f, labelled.get(tier, {}), tier)
+        if tier not in labelled:
+            # No series of kvtier's for this tier: another backend serves it (vLLM's own
+            # fs tier under storage.backend vllm-fs exports none): no figures, no zeros.
+            for key in ((FAILED_LOADS, tier), (LOAD_SECONDS, tier), (BYTES_LOADED, tier)):
+                f.missing.setdefault(key, f"no kvtier_offload_* series for the {tier} tier "
+                                     "(a backend other than kvtier's, such as vLLM's fs "
+                                     "tier, exports none)")
+            continue
+        _kvtier_tier(f, labelled[tier], tier)
 
 
 def _by_tier(samples: Samples) -> dict[str, dict[str, list[tuple[Labels, float]]]]:
@@ -217,15 +246,16 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
         if math.isfinite(stores + failed_writes):
             f.counters[(DROPPED_WRITES, tier)] = dropped
             f.counters[(STORES, tier)] = stores + failed_writes + dropped
-            for reason, count in by_label(samples, "kvtier_offload_dropped_writes_total",
-                                          "reason").items():
+            for reason, count in _known(by_label(
+                    samples, "kvtier_offload_dropped_writes_total", "reason"),
+                    DROP_REASONS).items():
                 f.counters[(f"{DROPPED_WRITES}:{reason}", tier)] = count
     # The recompute bound's skips (GPU-direct mode): absent until the first, so absent is
     # no figure, not a zero (a backend without the bound never creates the series).
     skipped = by_label(samples, "kvtier_offload_tier_skipped_total", "reason")
     if skipped and all(math.isfinite(v) for v in skipped.values()):
         f.counters[(SKIPPED_REQUESTS, tier)] = sum(skipped.values())
-        for reason, count in skipped.items():
+        for reason, count in _known(skipped, SKIP_REASONS).items():
             f.counters[(f"{SKIPPED_REQUESTS}:{reason}", tier)] = count
     hist = buckets(samples, "kvtier_offload_latency_seconds", direction="load")
     if hist:
@@ -237,6 +267,15 @@ def _kvtier_tier(f: PodFigures, samples: Samples, tier: str) -> None:
         f.gauges[(CAPACITY_BYTES, tier)] = capacity
         if used is not None:
             f.gauges[(USED_PERCENT, tier)] = 100.0 * used / capacity
+
+
+def _known(by_reason: dict[str, float], known: frozenset[str]) -> dict[str, float]:
+    """Counts by the backend's known reasons; every other label's under OTHER_REASON."""
+    out: dict[str, float] = {}
+    for reason, count in by_reason.items():
+        key = reason if reason in known else OTHER_REASON
+        out[key] = out.get(key, 0.0) + count
+    return out
 
 
 def _cpu_tier_info(samples: Samples) -> Labels | None:
@@ -257,10 +296,15 @@ def cpu_capacity(samples: Samples) -> tuple[int | None, int | None, int | None]:
         return None, None, None
 
     def number(name: str) -> int | None:
+        """A positive, finite whole number; None for anything else a pod may say
+        (negative, zero, inf, NaN, not a number): it sizes the router's LRU."""
         try:
-            return int(float(labels[name])) if labels.get(name) else None
+            value = float(labels[name]) if labels.get(name) else None
         except ValueError:
             return None
+        if value is None or not math.isfinite(value) or value < 1:
+            return None
+        return int(value)
 
     chunks, per_chunk = number("cpu_num_chunks"), number("cpu_blocks_per_chunk")
     blocks = chunks * per_chunk if chunks is not None and per_chunk is not None else None
