@@ -7,9 +7,10 @@ condition's status does.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvtier_evictor.report import ABOVE_LOW_WATERMARK, ERROR, FREED, NOTHING_TO_DO
@@ -34,12 +35,15 @@ from kvtier_operator.engines.figures import (
     SHARED_HIT_TOKENS,
     SHARED_TIERS_SEPARATOR,
     STORES,
+    Key,
 )
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
 from kvtier_operator.observe.reads import LATE
-from kvtier_operator.observe.window import WindowSum, quantile
+from kvtier_operator.observe.window import OVERFLOW, PodSums, WindowSum, quantile
+
+log = logging.getLogger("kvtier_operator.status")
 
 READY, STORAGE_READY, INJECTED, EVICTOR_HEALTHY = "Ready", "StorageReady", "Injected", \
     "EvictorHealthy"
@@ -284,13 +288,38 @@ class ObservedTiers:
 
 
 def _pct(part: float | None, whole: float | None) -> float | None:
-    if part is None or not whole:
+    """part as % of whole, within 0-100; None without a (finite, positive) whole."""
+    if part is None or whole is None or not math.isfinite(part) or \
+            not math.isfinite(whole) or whole <= 0 or part < 0:
         return None
-    return round(100.0 * part / whole, 2)
+    return round(min(100.0, 100.0 * part / whole), 2)
+
+
+def _share(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
+    """A share over the pods that have both its parts ((part, whole) per pod): a pod
+    that lacks one adds to neither."""
+    both = [(part, whole) for part, whole in pairs if part is not None and whole is not None]
+    if not both:
+        return None
+    return _pct(math.fsum(p for p, _ in both), math.fsum(w for _, w in both))
 
 
 def _int(value: float | None) -> int | None:
-    return None if value is None else round(value)
+    """A count for status: None where not a finite, non-negative number."""
+    return None if value is None or not math.isfinite(value) or value < 0 else round(value)
+
+
+def _finite(w: WindowSum) -> WindowSum:
+    """The window without sums that are not finite numbers (missing, with why)."""
+    bad = {k for k, v in w.counters.items() if not math.isfinite(v)}
+
+    def kept(counters: dict[Key, float]) -> dict[Key, float]:
+        return {k: v for k, v in counters.items() if k not in bad and math.isfinite(v)}
+
+    return replace(w, counters=kept(w.counters),
+                   missing={**w.missing, **{k: OVERFLOW for k in bad}},
+                   pods=[PodSums(kept(p.counters), [kept(step) for step in p.steps])
+                         for p in w.per_pod()])
 
 
 def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
@@ -301,34 +330,38 @@ def _tier_names(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     return out
 
 
-def _split_basis(w: WindowSum, tiers: list[str]) -> dict[str, float] | None:
-    """What to split several tiers' shared hits by: each tier's bytes loaded (kvtier's
-    backend), else the bytes the engine promoted from it, whichever every one of them
-    has a figure for; None where neither (a missing figure is never taken as a zero)."""
+def _split_basis(pod: dict[Key, float], tiers: list[str]) -> dict[str, float] | None:
+    """What to split several tiers' shared hits by: each tier's bytes loaded over the
+    pod's window (kvtier's backend), else the bytes the engine promoted from it,
+    whichever every one of them has a figure for; None where neither (a missing figure
+    is never taken as a zero)."""
     for figure in (BYTES_LOADED, PROMOTED_BYTES):
-        basis = {t: w.counters.get((figure, t)) for t in tiers}
+        basis = {t: pod.get((figure, t)) for t in tiers}
         if all(v is not None and v >= 0 for v in basis.values()):
             return {t: v or 0.0 for t, v in basis.items()}
     return None
 
 
-def _hits(w: WindowSum) -> tuple[dict[str, float], set[str]]:
-    """Prompt tokens served per tier over the window, and which tiers' figures are
-    derived: where the engine counts several tiers together (SHARED_HIT_TOKENS), their
-    tokens are split by each tier's bytes loaded over the window (one block holds as
-    many tokens in any tier; _split_basis). Without a figure for every one of them, or
-    with none loaded, they stay together under `offloaded`."""
-    hits = {tier: v for (figure, tier), v in w.counters.items() if figure == "hit_tokens"}
+def _hits(counters: dict[Key, float], pod: dict[Key, float]
+          ) -> tuple[dict[str, float], set[str]]:
+    """Prompt tokens served per tier (a pod's over the window, or over one step of it),
+    and which tiers' figures are derived: where the engine counts several tiers together
+    (SHARED_HIT_TOKENS), their tokens are split by each tier's bytes loaded over the
+    pod's window (one block holds as many tokens in any tier; _split_basis). Without a
+    figure for every one of them, or with none loaded, they stay together under
+    `offloaded`."""
+    hits = {tier: v for (figure, tier), v in counters.items() if figure == "hit_tokens"}
     derived: set[str] = set()
-    for (figure, group), tokens in w.counters.items():
+    for (figure, group), tokens in counters.items():
         if figure != SHARED_HIT_TOKENS:
             continue
         tiers = group.split(SHARED_TIERS_SEPARATOR)
-        loaded = _split_basis(w, tiers)
+        loaded = _split_basis(pod, tiers)
         basis = sum(loaded.values()) if loaded else 0.0
-        if not tokens:
+        if not tokens:  # none to split: each tier's share of them is none
             for t in tiers:
                 hits[t] = hits.get(t, 0.0)
+            derived.update(tiers)
         elif loaded and basis > 0:
             for t in tiers:
                 hits[t] = hits.get(t, 0.0) + tokens * loaded[t] / basis
@@ -342,7 +375,24 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
                    obs: CacheObservation | None, usage: UsageStatus | None,
                    enabled: bool, last_run: EvictorRun | None = None) -> ObservedTiers:
     """status.tiers, status.recompute, the Hit figure and the two conditions from the
-    latest observation round (None: none yet)."""
+    latest observation round (None: none yet). Figures a pod reported cannot stop the
+    reconcile: where they cannot be made into status, the figures are left out and the
+    MetricsReadable condition says why."""
+    try:
+        return _observed_tiers(tpc, offloaded, obs, usage, enabled, last_run)
+    except (ArithmeticError, ValueError) as err:  # ValueError: pydantic's refusals too
+        log.exception("figures for %s left out of status", tpc.name)
+        out = ObservedTiers()
+        out.metrics = Cond("Unknown", "FiguresUnusable",
+                           f"the pods' figures could not be made into status ({err}); "
+                           "the operator's log has the detail")
+        out.advice = Cond("Unknown", "NotObserved", "no usable figures this round")
+        return out
+
+
+def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
+                    obs: CacheObservation | None, usage: UsageStatus | None,
+                    enabled: bool, last_run: EvictorRun | None) -> ObservedTiers:
     out = ObservedTiers()
     if not enabled:
         out.metrics = Cond("Unknown", "ObservationOff",
@@ -354,7 +404,7 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         out.metrics = Cond("Unknown", "NotReadYet", "the pods' metrics have not been read yet")
         out.advice = Cond("Unknown", "NotObserved", "no figures yet")
         return out
-    w = obs.window
+    w = _finite(obs.window)
     out.observation = ObservationStatus(
         window_seconds=round(w.span, 1) if w.pods_with_steps else None,
         pods_read=obs.pods_read, pods_unreadable=obs.pods_unreadable,
@@ -371,7 +421,17 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     else:
         no_traffic = "no prompt tokens over the window"
     tiers = []
-    hit_tokens, derived = _hits(w) if w.pods_with_steps else ({}, set())
+    pods = w.per_pod()
+    pod_hits = [_hits(pod.counters, pod.counters) for pod in pods]
+    hit_tokens = _summed_hits([hits for hits, _ in pod_hits])
+    derived: set[str] = set().union(*(tiers for _, tiers in pod_hits))
+    # Shares: over each pod's steps that have both parts (the same span for both).
+    steps = [(step, pod.counters) for pod in pods for step in pod.steps]
+    step_hits = [(_hits(step, basis)[0], step.get(("prompt_tokens", ""))) for step, basis in steps]
+
+    def share(part: Key, whole: Key) -> float | None:
+        return _share((step.get(part), step.get(whole)) for step, _ in steps)
+
     names = _tier_names(tpc, offloaded, w)
     names += [t for t in hit_tokens if t not in names]
     for name in names:
@@ -392,15 +452,16 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         if not prompt:
             reasons.insert(0, no_traffic)
         status = TierStatus(
-            name=name, hit_percent=_pct(hits, prompt), hit_tokens=_int(hits),
+            name=name, hit_percent=_share((h.get(name), p) for h, p in step_hits),
+            hit_tokens=_int(hits),
             hit_source=None if hits is None else "derived" if name in derived else "engine",
             bytes_loaded=_int(counter("bytes_loaded")), bytes_stored=_int(counter("bytes_stored")),
             load_latency=LatencyStatus(p50_seconds=_round(p50), p99_seconds=_round(p99))
             if p50 is not None else None,
             failed_loads=_int(counter("failed_loads")),
-            skipped=_skipped(counter, counter("requests", "")),
+            skipped=_skipped(counter, share(("skipped_requests", name), ("requests", ""))),
             dropped_writes=_int(counter(DROPPED_WRITES)),
-            dropped_writes_percent=_pct(counter(DROPPED_WRITES), counter(STORES)),
+            dropped_writes_percent=share((DROPPED_WRITES, name), (STORES, name)),
             capacity_bytes=_int(gauge("capacity_bytes")),
             capacity_tokens=_int(gauge("capacity_tokens")),
             used_percent=_round(gauge("used_percent", pick=lambda v: sum(v) / len(v))),
@@ -411,10 +472,11 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         tiers.append(status)
     out.tiers = tiers
     recomputed = w.counters.get(("recomputed_tokens", "")) if w.pods_with_steps else None
-    out.recompute = RecomputeStatus(percent=_pct(recomputed, prompt), tokens=_int(recomputed),
+    out.recompute = RecomputeStatus(
+        percent=share(("recomputed_tokens", ""), ("prompt_tokens", "")),
+        tokens=_int(recomputed),
                                     prompt_tokens=_int(prompt), observed_at=obs.observed_at)
-    offloaded_hits = [v for t, v in hit_tokens.items() if t != "gpu"]
-    out.hit_percent = _pct(sum(offloaded_hits), prompt) if offloaded_hits else None
+    out.hit_percent = _share((_offloaded(hits), p) for hits, p in step_hits)
     # The router's LRU is sized from it: only a positive, finite figure counts.
     capacity = [v for v in w.gauges.get(("capacity_tokens", "cpu"), ())
                 if math.isfinite(v) and v >= 1]
@@ -423,7 +485,22 @@ def observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     return out
 
 
-def _skipped(counter: Callable[[str], float | None], requests: float | None
+def _summed_hits(per_pod: list[dict[str, float]]) -> dict[str, float]:
+    """Hit tokens per tier over the pods (a sum that is not finite is left out)."""
+    out: dict[str, float] = {}
+    for hits in per_pod:
+        for tier, tokens in hits.items():
+            out[tier] = out.get(tier, 0.0) + tokens
+    return {t: v for t, v in out.items() if math.isfinite(v)}
+
+
+def _offloaded(hits: dict[str, float]) -> float | None:
+    """A pod's tokens served from the offloaded tiers (None: no figure for any)."""
+    offloaded = [v for t, v in hits.items() if t != "gpu"]
+    return math.fsum(offloaded) if offloaded else None
+
+
+def _skipped(counter: Callable[[str], float | None], percent: float | None
              ) -> SkippedStatus | None:
     total = counter("skipped_requests")
     if total is None:
@@ -431,11 +508,11 @@ def _skipped(counter: Callable[[str], float | None], requests: float | None
     return SkippedStatus(requests=_int(total),
                          lookup_wait=_int(counter("skipped_requests:lookup-wait")),
                          load_slower=_int(counter("skipped_requests:load-slower")),
-                         percent=_pct(total, requests))
+                         percent=percent)
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 6)
+    return None if value is None or not math.isfinite(value) else round(value, 6)
 
 
 def _metrics_condition(obs: CacheObservation) -> Cond:
