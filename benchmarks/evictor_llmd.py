@@ -183,14 +183,30 @@ def watch(proc: subprocess.Popen[bytes], mount: str, began: float) -> float:
 
 def run_kvtier(mount: str) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "evictor"))
+    summary = tempfile.NamedTemporaryFile(prefix="kvtier-bench-llmd-summary-", delete=False)
+    summary.close()
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvtier_evictor", "--root",
                              os.path.join(mount, CACHE), "--layout", "vllm-fs",
-                             "--high-watermark", str(HIGH), "--low-watermark", str(LOW)],
+                             "--high-watermark", str(HIGH), "--low-watermark", str(LOW),
+                             "--termination-log", summary.name],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     reached = watch(proc, mount, began)
     proc.wait(TIMEOUT)
-    return reached, time.perf_counter() - began
+    ended = time.perf_counter() - began
+    try:  # what the run says of itself: passes and skipped files explain its LRU figure
+        import json
+        with open(summary.name) as f:
+            got = json.load(f)
+        print("kvtier's summary: " + ", ".join(
+            f"{k} {got.get(k)}" for k in ("threads", "passes", "files_deleted",
+                                         "skipped_recent", "skipped_changed",
+                                         "dirs_removed", "errors")), file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.unlink(summary.name)
+    return reached, ended
 
 
 def session_cpu(sid: int) -> float:
