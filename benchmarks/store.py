@@ -30,7 +30,8 @@ BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20)
 ARENA_ROWS = 64
 # GlusterFS (FUSE over TCP loopback): every open/rename/stat a round trip; smaller runs.
 GLUSTER_TOTAL = int(os.environ.get("KVTIER_BENCH_GLUSTER_BYTES", str(512 << 20)))
-GLUSTER_BLOCK_SIZES = (256 << 10, 2 << 20, 16 << 20, 64 << 20)  # 64 MiB: 32B model, 256 tok
+GLUSTER_BLOCK_SIZES = tuple(int(k) << 10 for k in os.environ.get(  # KiB; 64 MiB: 32B, 256 tok
+    "KVTIER_BENCH_GLUSTER_BLOCKS", "256,2048,16384,65536").split(","))
 GLUSTER_ROUNDS = int(os.environ.get("KVTIER_BENCH_GLUSTER_ROUNDS", "2"))
 # Where `python -m benchmarks store` runs: any of disk, ram, glusterfs (comma-separated).
 WHERE = set(os.environ.get("KVTIER_BENCH_STORE_ON", "disk,ram,glusterfs").split(","))
@@ -203,7 +204,7 @@ def compare_glusterfs(base: str, label: str) -> None:
 
 # The load floor (issue #37): the same bytes read through the same mount by the cheapest
 # correct design, beside the systems' loads above.
-FLOOR_BLOCK_SIZES = (256 << 10, 2 << 20)
+FLOOR_BLOCK_SIZES = tuple(b for b in (256 << 10, 2 << 20) if b in GLUSTER_BLOCK_SIZES)
 FLOOR_WAYS = ("bare", "header", "cat")
 
 
