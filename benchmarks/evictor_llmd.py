@@ -245,6 +245,11 @@ def run_llmd(mount: str) -> tuple[float, float, float]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        # Its crawlers and deleters may outlive the main process; on GlusterFS one left
+        # in the mount kept the next restore_brick from unmounting it (the GlusterFS
+        # floor then found the volume at 70%, not restored).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     return reached, stopped, cpu
 
 
