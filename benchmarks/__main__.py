@@ -22,9 +22,18 @@ def main(argv: list[str]) -> int:
     print(f"# kvtier benchmarks on {machine()}, {time.strftime('%Y-%m-%d')}")
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
-        print(f"\n## {name}")
+        print(f"\n## {name}\n\nload average before: {load()}", flush=True)
+        began = time.perf_counter()
         module.main()
+        print(f"\nload average after: {load()}; {name} took "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
     return 0
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages: the I/O benchmarks' figures mean little
+    without them on a shared machine."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -61,6 +61,39 @@ class GlusterVolume:
             _umount(path)
             self._extra.remove(path)
 
+    def save_brick(self, image: Path) -> None:
+        """Copy the brick's whole filesystem image to `image` (sparse), the volume
+        stopped meanwhile: with restore_brick, the same tree for several runs (names,
+        data, times, GlusterFS's own xattrs and gfid links) in seconds, where building
+        a large tree again through FUSE takes minutes."""
+        with self._offline():
+            _run(["cp", "--sparse=always", str(self.base / "brick.img"), str(image)],
+                 timeout=600)
+
+    def restore_brick(self, image: Path) -> None:
+        """Put back an image that save_brick took of this volume's brick."""
+        with self._offline():
+            _run(["cp", "--sparse=always", str(image), str(self.base / "brick.img")],
+                 timeout=600)
+
+    @contextlib.contextmanager
+    def _offline(self) -> Iterator[None]:
+        """The volume stopped, its client mounts and the brick unmounted; all back on
+        exit, at the same paths."""
+        clients = [*self.mounts, *self._extra]
+        for path in clients:
+            _umount(path)
+        _gluster(self.base, "volume", "stop", self.name, "force")
+        brick_mnt = self.brick.parent
+        _umount(brick_mnt)
+        try:
+            yield
+        finally:
+            _run(["mount", "-o", "loop", str(self.base / "brick.img"), str(brick_mnt)])
+            _gluster(self.base, "volume", "start", self.name, "force")
+            for path in clients:
+                _mount_client(self.name, path, self.base)
+
 
 def unavailable_reason() -> str | None:
     """Why a volume cannot be started here, or None when it can be tried."""

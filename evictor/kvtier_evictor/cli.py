@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget mode: usage is the cache's own bytes against this many "
                    "(for NFS/EFS/Lustre exports whose statvfs shows the whole export)")
     p.add_argument("--threads", type=int, default=0,
-                   help="parallel scanners and deleters; 0 (default) times the first "
-                   "directories and uses 16 on a slow (network) filesystem, else 1")
+                   help="parallel scanners and deleters; 0 (default) measures how long "
+                   "the first directories' calls wait on the filesystem (not on a busy "
+                   "CPU) and uses 16 on a slow (network) filesystem, else 1")
     p.add_argument("--lock-stale-seconds", type=float, default=3600.0)
     p.add_argument("--max-candidates", type=int, default=500_000,
                    help="LRU candidates held at once (about 350 bytes each); a run that "

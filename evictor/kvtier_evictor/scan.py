@@ -360,25 +360,48 @@ def scan_unit(path: str, level: int, layout: Layout, rules: ScanRules,
     return totals
 
 
-# Above this many seconds of wall time per metadata call (a stat or a directory read),
+# Above this many seconds per metadata call (a stat or a directory read) spent blocked,
 # calls are waiting on a server (NFS, Lustre, CephFS, EFS) and threads overlap the waits.
 # Below it the filesystem is local and fast, and Python threads only add GIL handoffs.
 SLOW_SECONDS_PER_CALL = 100e-6
 AUTO_THREADS = 16
 
 
+def _thread_clock() -> tuple[float, float]:
+    """(seconds this thread has run on a CPU, seconds it has waited runnable for one),
+    from the kernel's schedstat; where that is missing (not Linux), the thread's CPU time
+    and no wait."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
+def blocked_seconds(wall_start: float, clock_start: tuple[float, float]) -> float:
+    """Seconds since (wall_start, clock_start) that this thread spent neither on a CPU
+    nor waiting for one: blocked in the kernel, on a disk or a server. A node busy with
+    other work makes a call take longer on the wall clock but not blocked: that is no
+    slow volume, and more threads would not help it."""
+    wall = time.perf_counter() - wall_start
+    on_cpu, waiting = _thread_clock()
+    return max(0.0, wall - (on_cpu - clock_start[0]) - (waiting - clock_start[1]))
+
+
 def scan(root: str, layout: Layout, rules: ScanRules, selection: LruSelection | None,
          threads: int) -> ScanTotals:
     """Scan every unit; threads <= 0 picks 1 or AUTO_THREADS from how long the first
-    unit took per file. The choice is returned in totals.threads."""
+    units' calls spent blocked (waiting on the volume, not for a CPU). The choice is
+    returned in totals.threads."""
     totals = ScanTotals()
     work = list(units(root, layout))
     if threads <= 0:
-        start = time.perf_counter()
+        start, clock = time.perf_counter(), _thread_clock()
         while work and totals.calls < 512:  # time enough calls to judge the filesystem
             path, lvl, names = work.pop(0)
             totals.add(scan_unit(path, lvl, layout, rules, selection, root, names))
-        per_call = (time.perf_counter() - start) / max(totals.calls, 1)
+        per_call = blocked_seconds(start, clock) / max(totals.calls, 1)
         threads = AUTO_THREADS if per_call > SLOW_SECONDS_PER_CALL else 1
     totals.threads = threads
     if threads == 1:

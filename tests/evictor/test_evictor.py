@@ -440,6 +440,28 @@ def test_auto_threads_go_parallel_on_a_slow_filesystem(tmp_path, monkeypatch):
     assert totals.files == 300
 
 
+def test_auto_threads_stay_single_where_calls_are_slow_on_a_cpu_not_on_the_volume(
+        tmp_path, monkeypatch):
+    # A loaded node makes every call slower on the wall clock, but the time goes to a CPU
+    # (or to waiting for one), not to waiting on the volume: threads would not help, so
+    # the probe must not read it as a slow filesystem (it picked 16 under two CPU hogs).
+    from kvtier_evictor import scan as scan_module
+
+    lru_tree(tmp_path, n=300)
+    real_scandir = os.scandir
+
+    def busy_scandir(path="."):
+        end = time.perf_counter() + 0.002  # as long as the slow volume's round trip
+        while time.perf_counter() < end:
+            pass
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", busy_scandir)
+    rules = scan_module.ScanRules(now=NOW, min_idle_seconds=600, temp_guard_seconds=3600,
+                                  dir_guard_seconds=600)
+    assert scan_module.scan(str(tmp_path), KVTIER, rules, None, threads=0).threads == 1
+
+
 def test_past_the_candidate_bound_the_run_frees_in_passes_in_lru_order(tmp_path):
     # 200 files to free 60% of: with at most 25 candidates held, the run scans again until
     # below the low watermark, deleting exactly what an unbounded run deletes.
