@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_evictor import cli
+from kvtier_evictor import cli, evict
 from kvtier_evictor.evict import Config, Run
 from kvtier_evictor.layouts import KVTIER, LMCACHE, VLLM_FS
 from kvtier_evictor.lock import LOCK_NAME
@@ -527,3 +527,46 @@ def test_the_files_of_one_directory_are_deleted_through_one_open_chain(tmp_path,
     report = make_run(tmp_path, capacity=41 * U, threads=1).execute()
     assert report.files_deleted == 12 and sum(not f.exists() for f in files) == 12
     assert sorted(opened) == sorted(["kvtier", "v1", FP, "ab", "cd"]), opened
+
+
+class OverheadUsage(FilesUsage):
+    """A volume that charges each file more than its allocated bytes (GlusterFS: the
+    brick's xattr blocks and gfid link come to ~35 KB per 8 KiB file at 5,000 files)."""
+
+    def __init__(self, root: Path, capacity: int, per_file: int) -> None:
+        super().__init__(root, capacity)
+        self.per_file = per_file
+
+    def __call__(self):
+        usage = super().__call__()
+        return type(usage)(used_bytes=usage.used_bytes + usage.used_inodes * self.per_file,
+                           capacity_bytes=usage.capacity_bytes,
+                           used_inodes=usage.used_inodes,
+                           capacity_inodes=usage.capacity_inodes)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_lru_order_holds_where_a_file_frees_more_than_its_size(tmp_path, threads,
+                                                              monkeypatch):
+    # 400 files of 16 KiB, each costing the volume 4x more (80 KiB in all), spread over
+    # many directories in an order unrelated to their age. A plan sized on file sizes
+    # alone is several times too long; deleted in path order, it stops at the low watermark part
+    # way and leaves old files behind while newer ones went. The deleted files must be
+    # exactly the oldest ones.
+    monkeypatch.setattr(evict, "CHECK_SECONDS", 0.0)  # usage re-read between pieces
+    monkeypatch.setattr(evict, "PIECE", 4)
+    monkeypatch.setattr(evict, "CALIBRATE_FILES", 100)
+    n, per_file = 400, 4 * U
+    files = [write(kvtier_path(tmp_path, i), U, NOW - 60 * (i + 1)) for i in range(n)]
+    capacity = int(n * (U + per_file) / 0.9)  # 90% used
+    config = Config(root=str(tmp_path), layout=KVTIER, min_idle_seconds=0,
+                    temp_guard_seconds=3600, dir_guard_seconds=600, threads=threads)
+    report = Run(config, clock=lambda: NOW,
+                 usage_source=OverheadUsage(tmp_path, capacity, per_file)).execute()
+    assert report.outcome == FREED
+    gone = [i for i, f in enumerate(files) if not f.exists()]
+    kept = [i for i, f in enumerate(files) if f.exists()]
+    assert gone and kept
+    # file i is older the larger i is: the share of deleted files among the oldest ones
+    lru = sum(i >= n - len(gone) for i in gone) / len(gone)
+    assert lru >= 0.97, (lru, len(gone))
