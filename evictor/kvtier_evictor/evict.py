@@ -35,13 +35,15 @@ CHECK_SECONDS = 1.0  # how often deletion refreshes the lock and re-reads the us
 # xattr blocks and gfid link, ~35 KB per 8 KiB file) or less. A plan sized on the files'
 # bytes alone is then too long, and deletion, in path order, stops at the low watermark
 # part way: the files left behind are not the newest (LRU 0.61 on GlusterFS at 100k
-# files). So the first 1/CALIBRATE of a plan is deleted on its own, what the volume
-# freed for it is measured, and the rest is planned at that rate. Only a volume that frees
+# files). So the oldest 1/CALIBRATE of a plan (at most CALIBRATE_MAX files) is deleted on
+# its own, what the volume freed for it is measured, and the rest is planned at that
+# rate: at the largest rate taken (8x) the slice is still half of what is needed. Only a volume that frees
 # more than counted shortens the plan: one that seems to free less is most likely late to
 # say so (ext4 returns blocks at its journal commit), and a longer plan would delete more
 # than needed. A plan under CALIBRATE_FILES files is deleted whole (in about the time
 # deletion takes to re-read the usage, CHECK_SECONDS).
-CALIBRATE = 4
+CALIBRATE = 16
+CALIBRATE_MAX = 512
 CALIBRATE_FILES = 1000
 
 
@@ -362,12 +364,12 @@ class Run:
         n = self._tally.fewest(oldest_first, want_bytes, want_inodes, dir_bytes)
         report.files_minimum += n
         # What the volume frees per byte the plan counts (statvfs mode): measured on the
-        # first CALIBRATE share of the plan, then the rest is planned at that rate.
+        # plan's first files (CALIBRATE), then the rest is planned at that rate.
         calibrate = dir_bytes and not cfg.dry_run and n >= CALIBRATE_FILES
         scale = 1.0
         rest = oldest_first
         while n:
-            batch = max(1, n // CALIBRATE) if calibrate else n
+            batch = max(1, min(n // CALIBRATE, CALIBRATE_MAX)) if calibrate else n
             before, counted = self.usage().used_bytes, self._counted_bytes()
             self._delete(rest[:batch], lock, threads)
             rest = rest[batch:]
@@ -385,7 +387,8 @@ class Run:
             n = self._tally.fewest(rest, int(want_bytes / scale), want_inodes, dir_bytes)
 
     def _counted_bytes(self) -> int:
-        return self.report.bytes_freed + self.report.dir_bytes_freed
+        """What the plan counted as freed so far (files and the directories they emptied)."""
+        return self.report.bytes_freed
 
     def _delete(self, candidates: list[Candidate], lock: VolumeLock, threads: int) -> None:
         """Directory by directory, in path order: each directory is opened once (its
