@@ -37,11 +37,11 @@ CHECK_SECONDS = 1.0  # how often deletion refreshes the lock and re-reads the us
 # part way: the files left behind are not the newest (LRU 0.61 on GlusterFS at 100k
 # files). So the oldest 1/CALIBRATE of a plan (at most CALIBRATE_MAX files) is deleted on
 # its own, what the volume freed for it is measured, and the rest is planned at that
-# rate: at the largest rate taken (8x) the slice is still half of what is needed. Only a volume that frees
-# more than counted shortens the plan: one that seems to free less is most likely late to
-# say so (ext4 returns blocks at its journal commit), and a longer plan would delete more
-# than needed. A plan under CALIBRATE_FILES files is deleted whole (in about the time
-# deletion takes to re-read the usage, CHECK_SECONDS).
+# rate: at the largest rate taken (8x) the slice is still half of what is needed. Only a
+# volume that frees more than counted shortens the plan: one that seems to free less is
+# most likely late to say so (ext4 returns blocks at its journal commit), and a longer
+# plan would delete more than needed. A plan under CALIBRATE_FILES files is deleted
+# whole (in about the time deletion takes to re-read the usage, CHECK_SECONDS).
 CALIBRATE = 16
 CALIBRATE_MAX = 512
 CALIBRATE_FILES = 1000

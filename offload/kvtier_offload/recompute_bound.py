@@ -144,6 +144,7 @@ class RequestWait:
     hit: bool = False  # a key was answered there (to load)
     waited: bool = False  # it waited on a lookup (answered None) at least once
     late_probe: bool | None = None  # decided at its first lookup after others came late
+    answered: bool = False  # a key of it was answered (present or not)
 
     @property
     def at_stake(self) -> int:
@@ -151,17 +152,19 @@ class RequestWait:
 
 
 def stop_waiting(wait: RequestWait, now: float, prefill: Rate, loading: float | None,
-                 expected_wait: float | None, slack: float = SLACK) -> str | None:
+                 expected_wait: float | None, slack: float = SLACK,
+                 worth: float = 1.0) -> str | None:
     """Why the request should stop waiting for lookups now (a reason in REASONS), or None
     to keep waiting. loading: the expected seconds to load its tokens at stake (None:
-    unknown, taken as free). None too where the prefill rate is unknown (the caller then
-    keeps its fixed deadline)."""
+    unknown, taken as free); worth: the chance that waiting finds them (a wait is worth
+    what a hit saves times that chance). None too where the prefill rate is unknown (the
+    caller then keeps its fixed deadline)."""
     recompute = prefill.seconds(wait.at_stake)
     if recompute is None or wait.at_stake == 0:
         return None
     if load_slower(wait.at_stake, prefill, loading):
         return LOAD_SLOWER
-    budget = recompute - (loading or 0.0) + slack * recompute
+    budget = worth * (recompute - (loading or 0.0)) + slack * recompute
     waited = now - wait.started
     if waited > budget or (expected_wait is not None and waited + expected_wait > budget):
         return LOOKUP_WAIT
@@ -216,6 +219,11 @@ class RequestWaits:
         # the next requests do not wait (LATE, PROBE_EVERY), until one is answered in time.
         self.late = False
         self._late_requests = 0
+        # The share of requests whose first answered key was there to load (moving
+        # average): until a request's own first hit, its wait is worth a hit's saving
+        # times this (a cache whose prompts are new pays no more than the slack to learn
+        # it; a miss answered within a whole-prefix budget cost 1.75x tier off).
+        self.hit_share = 1.0
 
     def get(self, req_id: str) -> RequestWait | None:
         return self._waits.get(req_id)
@@ -247,7 +255,9 @@ class RequestWaits:
             priced, slower = None, False  # bounded by the wait budget alone
         if present is None:
             now = self._clock()
-            reason = stop_waiting(wait, now, self.prefill, priced, expected_wait())
+            worth = 1.0 if wait.hit else self.hit_share
+            reason = stop_waiting(wait, now, self.prefill, priced, expected_wait(),
+                                  worth=worth)
             late = reason is not None and wait.waited  # it spent a wait to learn it
             if reason is None and self.late and not self._probes_late(wait):
                 reason = LOOKUP_WAIT  # the last requests' answers came too late
@@ -261,6 +271,9 @@ class RequestWaits:
             return False
         if wait.waited and wait.reason is None:
             self.late = False  # a request that waited was answered within its budget
+        if not wait.answered:
+            wait.answered = True
+            self.hit_share += WEIGHT * (float(bool(present)) - self.hit_share)
         if present:
             wait.hit = True
         else:
@@ -301,6 +314,14 @@ class RequestWaits:
 
     def finished(self, req_id: str) -> None:
         self._waits.pop(req_id, None)
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """Requests the scheduler preempted (vLLM's ScheduleEndContext): scheduled again,
+        each starts a wait of its own. (Kept, its first lookup's start made the wait look
+        longer than any budget at once, and the next requests stopped early, `late`, on a
+        healthy volume.)"""
+        for req_id in req_ids:
+            self._waits.pop(req_id, None)
 
     def _wait_of(self, req_id: str, end: int,
                  furthest: Callable[[], int | None] | None = None) -> RequestWait:
@@ -344,7 +365,10 @@ def recorded_end(req_context: object) -> int | None:
     positions = getattr(req_context, "_offload_key_positions", None)
     if not isinstance(positions, dict) or not positions:
         return None
-    return max(int(end) for end in positions.values())
+    try:  # a private field: a vLLM that reshapes it costs the whole-prefix price only
+        return max(int(end) for end in positions.values())
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 class PromptTimes(Rate):

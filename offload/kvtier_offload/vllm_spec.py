@@ -61,6 +61,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     TransferResult,
 )
 
@@ -307,6 +308,9 @@ class KvtierOffloadingManager(OffloadingManager):
         """These requests' loads so far all succeeded (a preempted one may hit them)."""
         for req_id in req_ids:
             self._loaded.pop(req_id, None)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.waits.preempted(getattr(context, "preempted_req_ids", None) or ())
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._loaded.pop(req_context.req_id, None)

@@ -159,6 +159,7 @@ class KvtierStorageTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.prefill.scheduled(context.new_req_ids)
+        self.waits.preempted(getattr(context, "preempted_req_ids", None) or ())
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         # vLLM calls this after the request's last cascade was submitted here.

@@ -365,3 +365,78 @@ def test_a_request_priced_late_before_it_waited_leaves_the_next_ones_to_their_pr
     assert waits.answer("r0", 64, pending, free, lambda: 1.0) is False
     assert not waits.late
     assert waits.answer("r1", 64, pending, free, lambda: 0.0) is None
+
+
+def settled(seconds_per_token: float) -> Rate:
+    """A prefill price past PREFILL_SETTLED samples (no first-wait cap)."""
+    rate = Rate(window=5)
+    for _ in range(5):
+        rate.add(seconds_per_token, 1)
+    return rate
+
+
+def test_a_wait_is_worth_only_what_hits_have_been_finding():
+    """Prompts never stored, each miss answered after 3 s, recompute 4 s (4,000 tokens
+    at 1 ms): priced as a sure hit, every request waited 3 s to learn it was a miss,
+    then recomputed (1.75x tier off). A wait is worth a hit's saving times the share of
+    requests whose first answer was a hit: after one miss, the next requests do not
+    wait a 3 s answer; once hits come back, they wait again."""
+    from kvtier_offload.recompute_bound import RequestWaits
+
+    clock = Clock()
+    skipped: list[str] = []
+    waits = RequestWaits(settled(0.001), 64, skipped.append, clock)
+    load = lambda tokens: 0.0001 * tokens  # noqa: E731
+    whole = lambda: 4000  # noqa: E731
+    pending = lambda patient: None  # noqa: E731
+    assert waits.answer("r0", 64, pending, load, lambda: 3.0, whole) is None  # waits
+    clock.now += 3.0
+    assert waits.answer("r0", 64, lambda p: False, load, lambda: 3.0, whole) is False
+    waits.finished("r0")
+    for r in range(1, 5):  # decided at once: the wait is no longer worth 3 s
+        assert waits.answer(f"r{r}", 64, pending, load, lambda: 3.0, whole) is False
+        waits.finished(f"r{r}")
+    assert skipped == [LOOKUP_WAIT] * 4
+    # hits answered at once bring the share back: a 1 s answer is worth waiting again
+    for r in range(5, 15):
+        assert waits.answer(f"r{r}", 64, lambda p: True, load, lambda: 0.0, whole) is True
+        waits.finished(f"r{r}")
+    assert waits.answer("r15", 64, pending, load, lambda: 1.0, whole) is None
+
+
+def test_a_preempted_request_starts_a_wait_of_its_own():
+    """A request that waited and was answered in time, preempted, scheduled again 30 s
+    later with a key pending: kept, its first lookup's start made the wait look longer
+    than any budget at once and set `late` for the next requests on a healthy volume.
+    vLLM names preempted requests at each step's end (ScheduleEndContext)."""
+    from kvtier_offload.recompute_bound import PROBE_EVERY, RequestWaits
+
+    clock = Clock()
+    waits = RequestWaits(settled(0.001), 64, lambda reason: None, clock)
+    free = lambda tokens: None  # noqa: E731
+    fast = lambda: 0.01  # noqa: E731
+    whole = lambda: 4000  # noqa: E731
+    assert waits.answer("a", 64, lambda p: None, free, fast, whole) is None
+    clock.now += 0.01
+    assert waits.answer("a", 64, lambda p: True, free, fast, whole) is True
+    waits.preempted(["a"])
+    clock.now += 30.0
+    assert waits.answer("a", 128, lambda p: None, free, fast, whole) is None  # waits
+    assert not waits.late
+    assert [waits.answer(f"b{i}", 64, lambda p: None, free, fast, whole)
+            for i in range(PROBE_EVERY - 1)] == [None] * (PROBE_EVERY - 1)
+
+
+def test_recorded_end_of_an_unknown_shape_is_unknown():
+    """vLLM's key positions are private: reshaped, the whole-prefix price is lost, never
+    the scheduler's call (int() of a tuple raised inside lookup())."""
+    from kvtier_offload.recompute_bound import recorded_end
+
+    class Reshaped:
+        _offload_key_positions = {b"k": (0, 64)}
+
+    class Floats:
+        _offload_key_positions = {b"k": 64.9}
+
+    assert recorded_end(Reshaped()) is None
+    assert recorded_end(Floats()) == 64

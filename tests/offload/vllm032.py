@@ -20,7 +20,7 @@ import types
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import Any, NamedTuple, NewType
 
 import numpy as np
 
@@ -65,6 +65,13 @@ class ReqContext:
 @dataclass
 class RequestOffloadingContext:
     pass
+
+
+class ScheduleEndContext(NamedTuple):
+    """What a manager's on_schedule_end is told after each scheduler step."""
+
+    new_req_ids: Collection[str]
+    preempted_req_ids: Collection[str]
 
 
 class LoadStoreSpec:
