@@ -267,17 +267,27 @@ def run_floor(mount: str, count: int) -> tuple[float, float]:
     found: list[tuple[float, str]] = []
     stack = [os.path.join(mount, CACHE)]
     while stack:
-        with os.scandir(stack.pop()) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                elif entry.name.endswith(".bin"):
-                    st = os.stat(entry.path, follow_symlinks=False)
-                    found.append((max(st.st_atime, st.st_mtime), entry.path))
+        files, dirs = _scan_dir(stack.pop())
+        found += files
+        stack += dirs
     found.sort()
     for _, path in found[:count]:
         os.unlink(path)
     return time.perf_counter() - began, time.process_time() - cpu
+
+
+def _scan_dir(directory: str) -> tuple[list[tuple[float, str]], list[str]]:
+    """One directory of the floors' bare loop: its block files, (last use, path) from a
+    stat by path each, and its subdirectories."""
+    files, dirs = [], []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(entry.path)
+            elif entry.name.endswith(".bin"):
+                st = os.stat(entry.path, follow_symlinks=False)
+                files.append((max(st.st_atime, st.st_mtime), entry.path))
+    return files, dirs
 
 
 def run_floor_threaded(mount: str, count: int, threads: int) -> tuple[float, float]:
@@ -286,17 +296,6 @@ def run_floor_threaded(mount: str, count: int, threads: int) -> tuple[float, flo
     by path; then a sort, and each unlinks its share of the `count` oldest by path."""
     began = time.perf_counter()
     cpu = time.process_time()
-
-    def scan(directory: str) -> tuple[list[tuple[float, str]], list[str]]:
-        files, dirs = [], []
-        with os.scandir(directory) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    dirs.append(entry.path)
-                elif entry.name.endswith(".bin"):
-                    st = os.stat(entry.path, follow_symlinks=False)
-                    files.append((max(st.st_atime, st.st_mtime), entry.path))
-        return files, dirs
 
     def unlink_all(paths: list[str]) -> None:
         for path in paths:
@@ -307,7 +306,7 @@ def run_floor_threaded(mount: str, count: int, threads: int) -> tuple[float, flo
     with ThreadPoolExecutor(threads) as pool:
         while level:
             next_level: list[str] = []
-            for files, dirs in pool.map(scan, level, chunksize=max(1, len(level) // (
+            for files, dirs in pool.map(_scan_dir, level, chunksize=max(1, len(level) // (
                     threads * 8))):
                 found += files
                 next_level += dirs
