@@ -55,10 +55,12 @@ LOAD_TRIPS = 3
 # free; where the tier really is slower it costs that one request its difference.
 PROBE_EVERY = 16
 # The engine's recompute price settles once this many samples are in (the median then
-# leaves out the first prefill's one-time costs). Until then a request waits on lookups
-# at most FIRST_WAIT seconds (or the store's lookup_pending_seconds, where shorter):
-# priced at an engine's first prefills, or unpriced, the first requests after a start
-# waited up to a second and cost 2-4.6x tier off.
+# leaves out the first prefill's one-time costs). Priced at an engine's first prefills,
+# the first requests after a start waited up to a second and cost 2-4.6x tier off, so
+# once one sample is in and until the price settles, a request waits on lookups at most
+# FIRST_WAIT seconds (or the store's lookup_pending_seconds, where shorter). Before any
+# sample, the store's lookup_pending_seconds alone decides: capped there too, a restarted
+# engine's first loads from its own local disk missed on a loaded CI runner.
 PREFILL_SETTLED = 3
 FIRST_WAIT = 0.1
 
@@ -261,7 +263,7 @@ class RequestWaits:
             late = reason is not None and wait.waited  # it spent a wait to learn it
             if reason is None and self.late and not self._probes_late(wait):
                 reason = LOOKUP_WAIT  # the last requests' answers came too late
-            if reason is None and self.prefill.samples < PREFILL_SETTLED and \
+            if reason is None and 0 < self.prefill.samples < PREFILL_SETTLED and \
                     now - wait.started > FIRST_WAIT:
                 reason = LOOKUP_WAIT  # recompute not yet priced: a short wait at most
             if reason is None:

@@ -440,3 +440,24 @@ def test_recorded_end_of_an_unknown_shape_is_unknown():
 
     assert recorded_end(Reshaped()) is None
     assert recorded_end(Floats()) == 64
+
+
+def test_before_any_prompt_is_timed_the_store_deadline_decides():
+    """No recompute price at all (an engine's first request after a restart, or a tier
+    that is never shown a prompt): the cap for unsettled prices does not apply, the
+    store's own lookup deadline does (ask(patient=False)); capped at FIRST_WAIT, a
+    restarted engine's first loads from its local disk missed on a loaded runner."""
+    from kvtier_offload.recompute_bound import FIRST_WAIT, RequestWaits
+
+    clock = Clock()
+    waits = RequestWaits(Rate(window=5), 32, lambda reason: None, clock)
+    asked: list[bool] = []
+
+    def pending(patient: bool) -> None:
+        asked.append(patient)
+
+    free = lambda tokens: None  # noqa: E731
+    assert waits.answer("first", 64, pending, free, lambda: 0.0) is None
+    clock.now += 5 * FIRST_WAIT
+    assert waits.answer("first", 64, pending, free, lambda: 0.0) is None  # still waits
+    assert asked == [False, False]  # impatient: the store's deadline decides
