@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -458,15 +458,7 @@ def glusterfs(n: int, size: int, sides: list[str]) -> None:
                   f"{built:.1f}s, volume at {usage_percent(mount):.1f}% (ballast beside the"
                   f" brick), freed to {LOW:.0f}%; the brick's image put back before every "
                   f"run; {ROUNDS} alternating rounds\n")
-            print("| round | evictor | to <= 70% s | to exit s | CPU s | files deleted "
-                  "| LRU quality |")
-            print("|---|---|---|---|---|---|---|", flush=True)
-            got: dict[str, list[Result]] = {side: [] for side in sides}
-            for r in range(ROUNDS):
-                for side in (sides if r % 2 == 0 else sides[::-1]):
-                    res = gluster_run(vol, image, side, used)
-                    got[side].append(res)
-                    show(r + 1, side, res)
+            got = alternating_rounds(sides, lambda side: gluster_run(vol, image, side, used))
             if FLOOR_RUNS:
                 res = gluster_run(vol, image, "threaded floor", used,
                                   int(median(g.deleted for g in got["kvtier"])))
@@ -478,6 +470,22 @@ def glusterfs(n: int, size: int, sides: list[str]) -> None:
                 summary(got)
     except GlusterUnavailable as err:
         print(f"\n### GlusterFS: skipped ({err})")
+
+
+def alternating_rounds(sides: list[str],
+                       run: Callable[[str], Result]) -> dict[str, list[Result]]:
+    """The table's header, then ROUNDS rounds of one run per side (who goes first
+    alternates by round), each row printed as it ends; every side's results."""
+    print("| round | evictor | to <= 70% s | to exit s | CPU s | files deleted "
+          "| LRU quality |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    got: dict[str, list[Result]] = {side: [] for side in sides}
+    for r in range(ROUNDS):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            res = run(side)
+            got[side].append(res)
+            show(r + 1, side, res)
+    return got
 
 
 def gluster_run(vol: Any, image: str, side: str, used: dict[str, float],
@@ -504,15 +512,8 @@ def tree(n: int, size: int, sides: list[str]) -> None:
         print(f"\n### {n:,} files x {size // 1024} KiB (vLLM fs layout), tmpfs at "
               f"{FILL:.0%}, freed to {LOW:.0f}%: built in {time.perf_counter() - began:.1f}s;"
               f" {ROUNDS} alternating rounds\n")
-        print("| round | evictor | to <= 70% s | to exit s | CPU s | files deleted "
-              "| LRU quality |")
-        print("|---|---|---|---|---|---|---|")
-        got: dict[str, list[Result]] = {side: [] for side in sides}
-        for r in range(ROUNDS):
-            for side in (sides if r % 2 == 0 else sides[::-1]):
-                res = one_run(side, template, used, tree_bytes)
-                got[side].append(res)
-                show(r + 1, side, res)
+        got = alternating_rounds(sides, lambda side: one_run(side, template, used,
+                                                             tree_bytes))
         # The floors, once: what the cheapest correct LRU run and deleting everything
         # cost on the same volume (the LRU floor deletes as many files as kvtier did).
         for side in FLOORS if FLOOR_RUNS else ():
