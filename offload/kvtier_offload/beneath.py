@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -32,19 +33,29 @@ DIR_FLAGS = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | os.O_DIRECTORY | os.O_NO
 RACING = (errno.ENOENT, errno.ESTALE)
 
 
-def once_more_if_racing(attempt: Callable[[], T], refresh: Callable[[], object]) -> T:
-    """attempt(), and where it failed with ENOENT or ESTALE (RACING), refresh() (a stat by
+# How often a racing mkdir or open is tried in all, and the pause before each retry
+# (GlusterFS, while the other node looked the same names up: see _made_and_opened). At
+# most about 0.1 s, on a store thread only.
+RACE_PAUSES = (0.0, 0.005, 0.02, 0.08)
+
+
+def again_while_racing(attempt: Callable[[], T], refresh: Callable[[], object]) -> T:
+    """attempt(), and while it fails with ENOENT or ESTALE (RACING), refresh() (a stat by
     name: the kernel then looks the name up afresh; its own errors ignored) and attempt()
-    once more: the second answer stands."""
-    try:
-        return attempt()
-    except OSError as err:
-        if err.errno not in RACING:
-            raise
-    try:
-        refresh()
-    except OSError:
-        pass
+    again after a short pause, len(RACE_PAUSES) tries in all: the last answer stands."""
+    for pause in RACE_PAUSES[:-1]:
+        if pause:
+            time.sleep(pause)
+        try:
+            return attempt()
+        except OSError as err:
+            if err.errno not in RACING:
+                raise
+        try:
+            refresh()
+        except OSError:
+            pass
+    time.sleep(RACE_PAUSES[-1])
     return attempt()
 
 
@@ -117,13 +128,22 @@ def makedirs_beneath(dirfd: int, rel: str, mode: int) -> None:
 
 def _made_and_opened(dirfd: int, name: str, mode: int) -> tuple[int, bool]:
     """(an O_PATH fd of directory name in dirfd, whether it was made here): made where
-    missing; each of the mkdir and the open once more where it met ENOENT or ESTALE
-    (another node making the same directory: once_more_if_racing)."""
+    missing. The mkdir and the open are tried together again where either met ENOENT or
+    ESTALE (another node making the same directory: again_while_racing): a fresh CI run's
+    GlusterFS answered a fan-out directory's mkdir EEXIST while a reader on the other
+    node looked the name up, then ENOENT to every open of it for 0.1 s; the next mkdir
+    made it."""
+    made = False
+
     def look() -> os.stat_result:
         return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
 
-    made = once_more_if_racing(lambda: _mkdir_at(dirfd, name, mode), look)
-    return once_more_if_racing(lambda: os.open(name, DIR_FLAGS, dir_fd=dirfd), look), made
+    def mkdir_and_open() -> int:
+        nonlocal made
+        made = _mkdir_at(dirfd, name, mode) or made
+        return os.open(name, DIR_FLAGS, dir_fd=dirfd)
+
+    return again_while_racing(mkdir_and_open, look), made
 
 
 def _mkdir_at(dirfd: int, name: str, mode: int) -> bool:

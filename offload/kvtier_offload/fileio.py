@@ -29,6 +29,7 @@ import numpy as np
 from kvtier_offload import batchio
 from kvtier_offload.beneath import (
     DIR_FLAGS,
+    RACE_PAUSES,
     RACING,
     lstat_beneath,
     makedirs_beneath,
@@ -237,25 +238,30 @@ class BlockFiles:
         readers keep whatever inode they opened, nothing mixes. Raises OSError; leaves no
         temp file behind."""
         header = encode_header(self.layout.fingerprint, key, len(data), digest(data))
-        tmp = self.layout.temp_path(key).rpartition("/")[2]
         flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = self.direct
+        if direct:
+            flags |= os.O_DIRECT
         dir_fd, name = self._parent(path)
         try:
-            try:
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664,
-                             dir_fd=dir_fd)
-            except OSError as err:
-                # Once more in a directory looked up afresh (and made again where it was
-                # reaped): on a network filesystem another node's mkdir or rename of the
-                # same names can make a create fail for a moment (ENOENT, ESTALE).
-                if err.errno not in RACING:
-                    raise
+            # Again in a directory looked up afresh (and made again where it was reaped),
+            # after a short pause (RACE_PAUSES): on a network filesystem another node's
+            # mkdir or rename of the same names can make a create fail for a moment
+            # (ENOENT, ESTALE). The failed create made nothing: the same name will do.
+            tmp = self.layout.temp_path(key).rpartition("/")[2]
+            pauses = iter(RACE_PAUSES[1:])
+            while True:
+                try:
+                    fd = os.open(tmp, flags, 0o664, dir_fd=dir_fd)
+                    break
+                except OSError as err:
+                    pause = next(pauses, None)
+                    if err.errno not in RACING or pause is None:
+                        raise
                 os.close(dir_fd)
                 dir_fd = -1
+                time.sleep(pause)
                 dir_fd, name = self._parent(path, fresh=True)
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o664,
-                             dir_fd=dir_fd)
             try:
                 try:
                     if direct:

@@ -172,18 +172,27 @@ def test_again_if_stale_passes_other_errors_on_and_tries_once_only(tmp_path):
     True,
     False,
 ], ids=["batch", "python"])
+@pytest.mark.parametrize(("times", "mkdir_says"), [
+    (1, "ENOENT"),
+    (3, "ENOENT"),
+    (1, "EEXIST"),
+], ids=["once", "three-times", "exists-but-not-made"])
 def test_a_store_that_meets_another_node_creating_the_same_names_still_stores(
-        shim, tmp_path, batch_io):
+        shim, tmp_path, batch_io, times, mkdir_says):
     """tests/netfs' same-key writers on two nodes failed once so: node B's mkdir of a
     fan-out directory said ENOENT, node A's create of its temp file ESTALE, and neither
-    stored the key. Each of those is tried once more."""
+    stored the key. A fresh CI run's reader-beside-writer test met a fan-out directory's
+    mkdir saying EEXIST for a directory it had not made, then ENOENT for every open of it
+    for 0.1 s. Each of those is tried again (the mkdir with the open), a few times."""
     code = f"""
 import json, mmap, os
 from kvtier_offload.store import BlockStore, StoreConfig
 from tests.offload.conftest import keys, rows, run_load, run_store, FP
 store = BlockStore(StoreConfig(root={str(tmp_path)!r}, fingerprint=FP, batch_io={batch_io},
                                read_threads=2, write_threads=2))
-os.environ["KVTIER_TEST_RACE"] = "1"  # from now on: each name's first mkdir or create fails
+if {mkdir_says!r} == "EEXIST":
+    os.environ["KVTIER_TEST_RACE_EEXIST"] = "1"
+os.environ["KVTIER_TEST_RACE"] = "{times}"  # now: each name's first mkdirs or creates fail
 ks = keys({N}, b"race")
 stored = run_store(store, 1, list(zip(ks, rows({N}, {SIZE}))))
 del os.environ["KVTIER_TEST_RACE"]

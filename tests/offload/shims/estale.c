@@ -4,9 +4,10 @@
  * same name, until that name has been stat'ed (a stat by name makes the kernel look the
  * name up afresh there). Loaded only by tests/offload/test_estale.py's subprocesses.
  *
- * With $KVTIER_TEST_RACE set (to anything), it also plays another node creating the same
- * names at once: the first mkdir of each name fails with ENOENT, the first create (an
- * open with O_CREAT) of each name with ESTALE; the second try of the same name works. */
+ * With $KVTIER_TEST_RACE set to a count n (1 where it is not a number), it also plays
+ * another node creating the same names at once: the first n mkdirs of each name fail with
+ * ENOENT, the first n creates (opens with O_CREAT) of each name with ESTALE; the next try
+ * of the same name works ($KVTIER_TEST_RACE_EEXIST: mkdir_race_errno). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -53,22 +54,41 @@ static void stat_by_name(const char *path)
     pthread_mutex_unlock(&lock);
 }
 
-static char *raced[MAX_NAMES]; /* names whose first mkdir or create failed already */
+static char *raced[MAX_NAMES]; /* names whose mkdir or create failed already */
+static int raced_times[MAX_NAMES]; /* how many times each */
 static int raced_count;
 
-/* Whether this mkdir or create of path is to fail (its first, under $KVTIER_TEST_RACE). */
+/* Whether this mkdir or create of path is to fail (one of its first n, under
+ * $KVTIER_TEST_RACE=n). */
 static int first_race(const char *path)
 {
-    int first = 1;
-    if (!getenv("KVTIER_TEST_RACE") || !path)
+    const char *race = getenv("KVTIER_TEST_RACE");
+    int times = race ? atoi(race) : 0, fail = 0, i;
+    if (!race || !path)
         return 0;
+    if (times < 1)
+        times = 1;
     pthread_mutex_lock(&lock);
-    for (int i = 0; i < raced_count && first; i++)
-        first = strcmp(raced[i], path) != 0;
-    if (first && raced_count < MAX_NAMES)
-        raced[raced_count++] = strdup(path);
+    for (i = 0; i < raced_count && strcmp(raced[i], path) != 0; i++)
+        ;
+    if (i == raced_count && raced_count < MAX_NAMES) {
+        raced[raced_count] = strdup(path);
+        raced_times[raced_count++] = 0;
+    }
+    if (i < raced_count && raced_times[i] < times) {
+        raced_times[i]++;
+        fail = 1;
+    }
     pthread_mutex_unlock(&lock);
-    return first;
+    return fail;
+}
+
+/* What a racing mkdir fails with: ENOENT, or with $KVTIER_TEST_RACE_EEXIST set EEXIST
+ * (the directory not made all the same: what GlusterFS answered once while the other
+ * node looked the name up; every open of it then failed with ENOENT). */
+static int mkdir_race_errno(void)
+{
+    return getenv("KVTIER_TEST_RACE_EEXIST") ? EEXIST : ENOENT;
 }
 
 static int opened(int fd, const char *path)
@@ -128,7 +148,7 @@ int mkdir(const char *path, mode_t mode)
 {
     REAL(mkdir);
     if (first_race(path)) {
-        errno = ENOENT;
+        errno = mkdir_race_errno();
         return -1;
     }
     return real_mkdir(path, mode);
@@ -138,7 +158,7 @@ int mkdirat(int dir, const char *path, mode_t mode)
 {
     REAL(mkdirat);
     if (first_race(path)) {
-        errno = ENOENT;
+        errno = mkdir_race_errno();
         return -1;
     }
     return real_mkdirat(dir, path, mode);
