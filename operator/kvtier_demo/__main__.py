@@ -4,9 +4,11 @@ An in-process Kubernetes API server, the real operator and the real webhook serv
 (HTTPS). It applies an example TieredPrefixCache, admits the sample vLLM Deployment's pod
 through the webhook, moves real KV blocks through the kvtier block store into a local
 directory, runs the evictor on it, and feeds the evictor's report back into the status.
-No engine runs here: the pod's metrics endpoint replays pages captured from a real vLLM
-server (kvtier_demo.replay), read by the operator's real observation path, so the status
-ends with a real Hit, each tier's figure and the advice.
+No engine runs here: the pod's metrics endpoint serves the engine's pages captured from a
+real vLLM server, with the live kvtier_offload_* families of the block store the demo moves
+its blocks through (kvtier_demo.replay, kvtier_demo.blocks), read by the operator's real
+observation path. So the status ends with a real Hit (the captured engine's), the storage
+tier's bytes, latency and failed loads of the blocks this run moved, and the advice.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import os
 import ssl
 import sys
 import tempfile
-import time
+from contextlib import AsyncExitStack, closing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvtier_demo.blocks import BLOCK_BYTES, BLOCKS, FLIPPED, DemoBlocks
 from kvtier_demo.cluster import live_cluster, say, until
 from kvtier_demo.replay import ReplayedMetrics
 from kvtier_demo.table import table
@@ -41,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 EXAMPLE, SAMPLE = "native-kvtier.yaml", "vllm-deployment.yaml"
 NS = "llm-d"
-BLOCKS, BLOCK_BYTES = 48, 1 << 20
 _NONE = type("NoObservation", (), {"pods_read": 0})()
 
 
@@ -51,49 +53,6 @@ def _pod_from(deployment: dict[str, Any]) -> dict[str, Any]:
             "metadata": {**template["metadata"], "name": "gpu-vllm-decode-7c9f-x2k4p",
                          "namespace": NS},
             "spec": template["spec"]}
-
-
-def move_kv_blocks(volume: Path, fingerprint_src: dict[str, Any]) -> dict[str, Any]:
-    """Store real KV-sized blocks through the block store, load them back, compare."""
-    import mmap
-
-    from kvtier_offload import digest
-    from kvtier_offload.layout import fingerprint
-    from kvtier_offload.store import BlockStore, StoreConfig, hot_path
-
-    store = BlockStore(StoreConfig(root=str(volume), fingerprint=fingerprint(fingerprint_src),
-                                   read_threads=2, write_threads=2, write_queue_seconds=60))
-    try:
-        arena = mmap.mmap(-1, BLOCKS * BLOCK_BYTES)
-        arena[:] = os.urandom(BLOCKS * BLOCK_BYTES)
-        rows = [memoryview(arena)[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] for i in range(BLOCKS)]
-        keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(BLOCKS)]
-        start = time.perf_counter()
-        store.store(1, list(zip(keys, rows, strict=True)))
-        store.drain()
-        stored_s = time.perf_counter() - start
-        if not all(o.success for o in store.finished()):
-            raise SystemExit(f"demo: the block store failed to store into {volume}")
-        back = mmap.mmap(-1, BLOCKS * BLOCK_BYTES)
-        dests = [memoryview(back)[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] for i in range(BLOCKS)]
-        start = time.perf_counter()
-        store.load(2, list(zip(keys, dests, strict=True)))
-        store.drain()
-        loaded_s = time.perf_counter() - start
-        if not all(o.success for o in store.finished()):
-            raise SystemExit(f"demo: the block store failed to load from {volume}")
-        identical = back[:] == arena[:]
-        now = time.time()  # age the files: the evictor never touches what was just used
-        for i, key in enumerate(keys):
-            path = store.layout.path(key)
-            os.utime(path, (now - 3600 - 60 * i, now - 3600 - 60 * i))
-    finally:
-        store.close()
-    code, why = hot_path(True)
-    path = ("the C extension" if code == "ok"
-            else f"the Python path, digest by {digest.BACKEND} ({why})")
-    return {"identical": identical, "store_gbps": BLOCKS * BLOCK_BYTES / stored_s / 1e9,
-            "load_gbps": BLOCKS * BLOCK_BYTES / loaded_s / 1e9, "path": path}
 
 
 async def live(out: Path) -> int:
@@ -108,7 +67,8 @@ async def live(out: Path) -> int:
                            "a shared tier on a claim kvtier creates)")
     name = tpc.name
     deployment = yaml.safe_load((EXAMPLES / SAMPLE).read_text())
-    async with live_cluster(out) as cluster, ReplayedMetrics() as replay:
+    async with live_cluster(out) as cluster, ReplayedMetrics() as replay, \
+            AsyncExitStack() as stack:
         kmock, ctx, config, ca, port = (cluster.kmock, cluster.ctx, cluster.config,
                                         cluster.ca, cluster.port)
         say(f"1. kubectl apply -f examples/{EXAMPLE}")
@@ -168,8 +128,14 @@ async def live(out: Path) -> int:
         print("\n".join(difflib.unified_diff(
             dump(pod).splitlines(), dump(injected).splitlines(), "as written",
             "as admitted", lineterm="", n=1)))
-        # The pod runs. No engine runs here: its /metrics replays a real vLLM server's
-        # pages (kvtier_demo.replay), which the operator reads as it reads any pod's.
+        # The pod runs. No engine runs here: its /metrics serves a real vLLM server's
+        # captured engine page with the live figures of the demo's own kvtier backend
+        # (kvtier_demo.replay), which the operator reads as it reads any pod's. The
+        # backend opens with the pod, before the operator's first read: that read is the
+        # baseline, so the window holds exactly what the demo moves.
+        volume = out / "volume"
+        blocks = stack.enter_context(closing(DemoBlocks(
+            volume, {"model": tpc.spec.model.name, "demo": True})))
         injected["metadata"].setdefault("annotations", {})[
             "kvtier.dev/metrics-port"] = str(replay.port)
         injected["status"] = {"phase": "Running", "podIP": "127.0.0.1"}
@@ -179,24 +145,33 @@ async def live(out: Path) -> int:
                     "the operator's first read of the pod's metrics")
         print(f"the operator reads the pod's metrics at 127.0.0.1:{replay.port}/metrics "
               "every 0.5 s (30 s in a cluster)")
-        print(f"the page there is a capture from a real vLLM 0.32 API server, "
+        print(f"the engine's figures there are a capture from a real vLLM 0.32 API server, "
               f"{replay.file('idle').relative_to(ROOT)} (no request yet), then "
               f"{replay.file('loaded').relative_to(ROOT).name} (one prompt served from "
-              "kvtier's storage tier behind vLLM's CPU tier)")
+              "kvtier's storage tier behind vLLM's CPU tier); its kvtier_offload_* "
+              "families are live, those of this process's block store on the volume "
+              "(the capture's own are left out)")
         replay.show("loaded")  # the next round's read has a difference to the first
 
         say("4. KV blocks move through the kvtier backend into the shared volume")
-        volume = out / "volume"
-        moved = move_kv_blocks(volume, {"model": tpc.spec.model.name, "demo": True})
+        moved = blocks.move()
         print(f"stored {BLOCKS} blocks of {BLOCK_BYTES >> 20} MiB at "
-              f"{moved['store_gbps']:.2f} GB/s and loaded them back at "
-              f"{moved['load_gbps']:.2f} GB/s into {volume} on {moved['path']}; "
-              f"bit-identical: {moved['identical']}")
+              f"{moved.store_gbps:.2f} GB/s and loaded them back at "
+              f"{moved.load_gbps:.2f} GB/s into {volume} on {moved.path}; "
+              f"bit-identical: {moved.identical} ({moved.bytes_stored:,} bytes stored, "
+              f"{moved.bytes_loaded:,} loaded)")
+        print(f"then {FLIPPED} bytes of one block's payload flipped on the volume "
+              f"({moved.damaged.relative_to(volume)}): its next load "
+              + (f"was refused ({moved.refused_why}) and the file removed: a failed "
+                 "load, its tokens recomputed" if moved.refused
+                 else "was NOT refused (the store served a damaged block)"))
+        if not moved.refused:
+            raise SystemExit("demo: the block store served a block whose payload was damaged")
         options = kv_transfer_json(kv_transfer_config(tpc))
         print(f"(vLLM gets this tier from --kv-transfer-config {options})")
 
         say("5. the evictor CronJob's run, against that volume")
-        capacity = BLOCKS * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full
+        capacity = moved.kept * (BLOCK_BYTES + 4096) * 100 // 90  # about 90% full
         report = EvictorRun(EvictorConfig(
             root=str(volume), layout=KVTIER, high_watermark=85, low_watermark=60,
             min_idle_seconds=600, capacity_bytes=capacity, threads=1)).execute()
@@ -227,8 +202,9 @@ async def live(out: Path) -> int:
                 return None
             storage: dict[str, Any] = next(
                 (t for t in status.get("tiers") or [] if t["name"] == "storage"), {})
-            if not storage.get("bytesLoaded") or status.get("hitPercent") is None:
-                return None  # the replayed page's difference, observed
+            if not storage.get("bytesLoaded") or not storage.get("failedLoads") or \
+                    status.get("hitPercent") is None:
+                return None  # the page's difference (the capture's and the moves'), observed
             return b
 
         body = await until(evicted, "status with the eviction report")
@@ -239,18 +215,23 @@ async def live(out: Path) -> int:
           f"{st['pvc']['phase']}, {st['injectedPods']} pod injected, "
           f"{st['pendingPods']} pending, last eviction {st['lastEviction']['outcome']} "
           f"({st['lastEviction']['filesDeleted']} files), usage {st['usage']['percent']}%")
-    print(f"tiers over the window, from the replayed vLLM page: Hit {st['hitPercent']}% of "
-          f"{st['recompute']['promptTokens']} prompt tokens, recomputed "
-          f"{st['recompute']['percent']}%")
+    captured = replay.file("loaded").relative_to(ROOT)
+    print(f"Hit {st['hitPercent']}% of {st['recompute']['promptTokens']} prompt tokens, "
+          f"recomputed {st['recompute']['percent']}%, and each tier's hit share: from the "
+          f"captured engine page ({captured} against its idle page; the demo runs no engine)")
+    print("the storage tier's bytes, load latency and failed loads: from the blocks this "
+          "run moved (step 4, counted by its block store's kvtier_offload_* families); "
+          "its capacity and use: from the evictor's report (step 5)")
     for tier in st["tiers"]:
-        latency = (tier.get("loadLatency") or {}).get("p50Seconds")
+        latency = tier.get("loadLatency") or {}
         figures = [f"hit {tier['hitPercent']}% ({tier['hitSource']})"
                    if tier.get("hitPercent") is not None else "no hit figure"]
         figures += [f"{tier[key]:,} {what}" for key, what in (
             ("bytesLoaded", "bytes loaded"), ("bytesStored", "bytes stored"),
             ("failedLoads", "failed loads"), ("droppedWrites", "dropped writes"))
             if tier.get(key) is not None]
-        figures += [f"load p50 {latency} s"] if latency is not None else []
+        figures += [f"load {q} {latency[key]} s" for q, key in (
+            ("p50", "p50Seconds"), ("p99", "p99Seconds")) if latency.get(key) is not None]
         print(f"  {tier['name']}: " + ", ".join(figures))
     for condition in st["conditions"]:
         if condition["type"] in ("MetricsReadable", "TiersEffective"):

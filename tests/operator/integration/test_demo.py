@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.helpers import ROOT
+
+MIB = 1 << 20
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,20 +30,34 @@ def test_make_demo_runs_the_whole_system(tmp_path):
     assert "+        memory: 303Gi" in out and "+        memory: 203Gi" in out
     assert "+      sizeLimit: 120Gi" in out and "--kv-transfer-config" in out
     # real blocks moved and came back intact; the evictor freed by LRU
-    assert "bit-identical: True" in out
+    assert f"bit-identical: True ({48 * MIB:,} bytes stored, {48 * MIB:,} loaded)" in out
+    assert "its next load was refused (bad-checksum) and the file removed" in out
     assert "on the C extension;" in out  # make test builds it: the demo's hot path is C
     assert "usage 90.0% -> " in out and ": freed, " in out
     # and the status tells the truth about all of it
     assert ("Ready=True, claim qwen3-tiered-kv-cache Bound, 1 pod injected, 0 pending, "
             "last eviction freed") in out
     blocks = [f for _, _, fs in os.walk(tmp_path / "volume") for f in fs if f.endswith(".kvb")]
-    assert 0 < len(blocks) < 48  # some evicted, the most recent kept
-    # the operator read the pod's metrics, a real vLLM server's captured pages replayed
-    # (idle, then after one prompt served from the storage tier), through its real path
-    assert ("the page there is a capture from a real vLLM 0.32 API server, "
+    assert 0 < len(blocks) < 47  # some evicted, the most recent kept, the damaged one gone
+    # the operator read the pod's metrics through its real path: the engine's figures a
+    # real vLLM server's captured pages (idle, then after one prompt served from the
+    # storage tier), kvtier's backend figures those of the blocks this run moved
+    assert ("the engine's figures there are a capture from a real vLLM 0.32 API server, "
             "tests/fixtures/metrics/vllm-0.32-cpu-storage-u-idle.txt") in out
-    assert "Hit 96.0% of 200 prompt tokens, recomputed 4.0%" in out
-    assert "  storage: hit 96.0% (engine), 393,216 bytes loaded, 0 failed loads" in out
+    assert ("Hit 96.0% of 200 prompt tokens, recomputed 4.0%, and each tier's hit share: "
+            "from the captured engine page (tests/fixtures/metrics/"
+            "vllm-0.32-cpu-storage-u-loaded.txt") in out
+    assert "failed loads: from the blocks this run moved" in out
+    status = yaml.safe_load(out.split(" -o yaml (status)\n")[1].split("\n=== summary")[0])
+    storage = next(t for t in status["status"]["tiers"] if t["name"] == "storage")
+    # the window holds exactly what the demo moved (the capture's own 393,216 bytes loaded
+    # are not on the page), and the damaged block's refused load
+    assert storage["bytesLoaded"] == storage["bytesStored"] == 48 * MIB
+    assert storage["failedLoads"] >= 1
+    assert 0 < storage["loadLatency"]["p50Seconds"] <= storage["loadLatency"]["p99Seconds"]
+    assert storage["hitPercent"] == 96.0 and storage["hitSource"] == "engine"
+    assert (f"  storage: hit 96.0% (engine), {48 * MIB:,} bytes loaded, {48 * MIB:,} bytes "
+            f"stored, {storage['failedLoads']} failed loads, load p50 ") in out
     assert "TiersEffective=True (TiersEffective): no advice" in out
     short = out.split("=== kubectl get tpc qwen3-tiered\n")[1].splitlines()
     assert short[0].split() == ["NAME", "READY", "STORAGE", "INJECTED", "USAGE", "HIT", "AGE"]
