@@ -700,4 +700,5 @@ def _advice(tpc: TieredPrefixCache, w: WindowSum, tiers: list[TierStatus],
     if not prompt:
         return Cond("Unknown", "NotEnoughTraffic", "no prompt tokens over the window yet")
     return Cond("True", "TiersEffective",
-                "no advice: loads succeed and each tier serves what it holds")
+                f"no advice: no tier's failed loads over {FAILING_LOADS_PERCENT:g}% and "
+                "each tier serves what it holds")
