@@ -21,6 +21,7 @@ import os
 import ssl
 import sys
 import tempfile
+import time
 from contextlib import AsyncExitStack, closing
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,9 @@ async def live(out: Path) -> int:
               f"{claim.size} ReadWriteMany claim")
         doc["metadata"]["uid"] = "demo-uid-1"
         doc["metadata"]["generation"] = 1
+        # What an API server stamps on create (kmock does not): kubectl's AGE column.
+        doc["metadata"]["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                             time.gmtime())
         kmock.objects[sandbox.TPC, NS, name] = doc
 
         def get(resource: str, obj: str) -> dict[str, Any] | None:

@@ -72,6 +72,7 @@ def test_make_demo_runs_the_whole_system(tmp_path):
     assert float(row["HIT"]) == 96.0 and float(row["STORAGE-HIT"]) == 96.0
     assert float(row["CPU-HIT"]) == 0.0 and float(row["RECOMPUTE"]) == 4.0
     assert row["LOCALDISK-HIT"] == row["OBJECTSTORE-HIT"] == "<none>"  # not configured
+    assert row["AGE"].endswith(("s", "m")), row["AGE"]  # the harness stamps creation
 
 
 @pytest.mark.parametrize(("example", "needles"), [
