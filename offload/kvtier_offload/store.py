@@ -42,7 +42,7 @@ from kvtier_offload.capacity import BoundedFiles
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
 from kvtier_offload.fileio import BlockFiles
-from kvtier_offload.iopool import IOPool
+from kvtier_offload.iopool import MAX_NICE, IOPool
 from kvtier_offload.jobs import Job, JobOutcome, JobTable, Result, time_left
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
@@ -160,6 +160,13 @@ class StoreConfig:
     # A node-local tier's bound on its block files' bytes, least recently used evicted to
     # stay under it (capacity.py); 0: unbounded (a shared volume: the evictor's job).
     capacity_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        nice = self.store_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+            raise ValueError(f"kvtier store_nice must be a whole number from 0 to {MAX_NICE} "
+                             f"(how much lower than the engine's the store threads' CPU "
+                             f"priority is; 0: the same), not {nice!r}")
 
 
 @dataclass
