@@ -3,6 +3,7 @@ loading), the shared CPU region, TransferJob/JobResult, events, drain and shutdo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -332,8 +333,13 @@ def test_the_store_priority_comes_from_the_tier_settings(tmp_path):
             assert t.store.pool.store_nice == nice
         finally:
             manager.shutdown()
-    with pytest.raises(ValueError, match="store_nice must be a whole number from 0 to 19"):
-        make_manager(tmp_path / "bad", f"kvtier-nice-bad-{os.getpid()}", store_nice=25)
+    bad = f"kvtier-nice-bad-{os.getpid()}"
+    try:
+        with pytest.raises(ValueError, match="store_nice must be a whole number from 0 to 19"):
+            make_manager(tmp_path / "bad", bad, store_nice=25)
+    finally:  # the CPU region vLLM made before the tier refused (no manager to shut down)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/vllm_offload_{bad}.mmap")
     for extra, nice in (({}, 10), ({"store_nice": 5}, 5)):
         spec = SimpleNamespace(extra_config={"root_dir": str(tmp_path / "spec"), **extra})
         store = vllm_spec._store(spec, {"rank": 0})
