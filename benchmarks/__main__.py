@@ -9,7 +9,7 @@ import sys
 import time
 
 BENCHES = ["store", "floor", "tier", "busy_hit", "evictor", "evictor_llmd", "netfs_ops",
-           "operator", "webhook", "observe", "gpu"]
+           "store_nice", "operator", "webhook", "observe", "gpu"]
 
 
 def machine() -> str:

@@ -42,7 +42,7 @@ from kvtier_offload.capacity import BoundedFiles
 from kvtier_offload.digest import digest
 from kvtier_offload.fileformat import HEADER_SIZE, BadBlock, decode_header
 from kvtier_offload.fileio import BlockFiles
-from kvtier_offload.iopool import IOPool
+from kvtier_offload.iopool import MAX_NICE, IOPool
 from kvtier_offload.jobs import Job, JobOutcome, JobTable, Result, time_left
 from kvtier_offload.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, Layout, key_fits
 from kvtier_offload.lookup import BackgroundLookup, LookupCache
@@ -87,12 +87,17 @@ def split_job(count: int, block: int, spare: int) -> list[range]:
 
 def _sized_pool(config: StoreConfig, memory_speed: bool) -> IOPool:
     """The I/O threads for config: at most io_threads, or one per core where files move
-    at memory speed (then every thread takes loads before stores)."""
+    at memory speed (then every thread takes loads before stores; with store_nice, as
+    many store threads of their own)."""
     limit = config.io_threads
     if not limit and memory_speed:
         limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
     reads, writes = config.read_threads, config.write_threads
+    if writes and config.store_nice:
+        # stores have their own threads (iopool): the limit holds for each kind
+        return IOPool(min(reads, limit) if limit else reads,
+                      min(writes, limit) if limit else writes, store_nice=config.store_nice)
     if limit and limit < reads + writes:
         reads, writes = limit, 0
     return IOPool(reads, writes)
@@ -124,6 +129,7 @@ class StoreConfig:
     o_direct: str = "auto"  # auto: probe once; on; off
     # I/O threads at most: 0 probes the volume (read_threads + write_threads where files
     # wait on a device or network; one per core where they complete at memory speed).
+    # With store_nice the bound holds for each kind: loads and stores have their own.
     io_threads: int = 0
     fsync: bool = False  # fdatasync before publishing (durability over throughput)
     # Blocks go through batchio in batches where it is available; off: the Python path
@@ -143,9 +149,24 @@ class StoreConfig:
     lookup_queue_limit: int = 65_536
     lookup_cache_entries: int = 500_000
     touch_interval: float = 60.0  # refresh a hit file's atime at most this often
+    # Store threads run this much nicer than the engine (iopool: stores and loads then have
+    # their own threads); on a starved host the engine's prefill goes ahead of background
+    # stores' copies and digests. Nice, not SCHED_IDLE: a store thread at nice +10 still
+    # gets about a tenth of a core the engine keeps busy, so stores go on (and those
+    # waiting longer than write_queue_seconds are dropped, counted); SCHED_IDLE would
+    # starve them for as long as the engine runs. 0: one pool shared by loads and stores,
+    # all at the engine's priority.
+    store_nice: int = 10
     # A node-local tier's bound on its block files' bytes, least recently used evicted to
     # stay under it (capacity.py); 0: unbounded (a shared volume: the evictor's job).
     capacity_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        nice = self.store_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+            raise ValueError(f"kvtier store_nice must be a whole number from 0 to {MAX_NICE} "
+                             f"(how much lower than the engine's the store threads' CPU "
+                             f"priority is; 0: the same), not {nice!r}")
 
 
 @dataclass

@@ -141,6 +141,7 @@ def _store(spec: KvtierOffloadingSpec, fields: dict[str, Any],
         write_threads=0 if lookups_only else int(extra.get("n_write_threads", 8)),
         o_direct=str(extra.get("o_direct", "auto")),
         write_queue_seconds=float(extra.get("write_queue_seconds", 10.0)),
+        store_nice=extra.get("store_nice", StoreConfig.store_nice),  # checked there
         # the manager must stat the volume, never trust what it was told
         lookup_hit_ttl=float(extra.get("lookup_hit_ttl", 2.0)),
         # a key the volume has not answered within this is a miss (never a request

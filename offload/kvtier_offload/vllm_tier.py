@@ -106,6 +106,7 @@ class KvtierStorageTier(SecondaryTierManager):
         write_queue_seconds: float = 10.0,
         capacity_bytes: int | str | None = None,
         recompute_bound: bool = True,
+        store_nice: int = 10,  # StoreConfig.store_nice
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Here, not at the top: vLLM's API server imports this module for the metric
@@ -122,6 +123,7 @@ class KvtierStorageTier(SecondaryTierManager):
             write_threads=n_write_threads, o_direct=o_direct, fsync=fsync,
             free_space_floor_percent=free_space_floor_percent,
             write_queue_seconds=write_queue_seconds,
+            store_nice=store_nice,
             # A node-local root (local NVMe) bounds itself: LRU inside the backend.
             capacity_bytes=0 if capacity_bytes is None else parse_capacity(
                 capacity_bytes, self.block_size_bytes),

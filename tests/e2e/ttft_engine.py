@@ -71,11 +71,15 @@ def kv_config(mode: str, root: str | None) -> Any:
     # KVTIER_TEST_RECOMPUTE_BOUND=0: the fixed 1 s deadline instead, to watch the
     # comparisons fail without the bound
     bound = os.environ.get("KVTIER_TEST_RECOMPUTE_BOUND", "1") != "0"
+    # KVTIER_TEST_STORE_NICE: the store threads' priority (store.StoreConfig.store_nice;
+    # 0: loads and stores share threads at the engine's priority), to compare the two
+    nice = {"store_nice": int(os.environ["KVTIER_TEST_STORE_NICE"])} if os.environ.get(
+        "KVTIER_TEST_STORE_NICE") else {}
     if mode == "gpu-direct":
         rendered = kv_transfer_config(parse_tpc(example("native-gpu-direct.yaml")))
         extra = rendered["kv_connector_extra_config"] | {
             "root_dir": root, "n_read_threads": 2, "n_write_threads": 2,
-            "recompute_bound": bound}
+            "recompute_bound": bound, **nice}
     else:
         rendered = kv_transfer_config(parse_tpc(example("native-kvtier.yaml")))
         extra = dict(rendered["kv_connector_extra_config"])
@@ -90,7 +94,7 @@ def kv_config(mode: str, root: str | None) -> Any:
                   "spec_module_path": "tests.e2e.noop_cpu_spec",
                   "secondary_tiers": [tier | {"root_dir": root, "n_read_threads": 2,
                                               "n_write_threads": 2,
-                                              "recompute_bound": bound}]}
+                                              "recompute_bound": bound, **nice}]}
     return KVTransferConfig(**(rendered | {"kv_connector_extra_config": extra}))
 
 

@@ -1,4 +1,5 @@
-"""The I/O pool: reads ahead of writes; one thread per core on memory-speed volumes."""
+"""The I/O pool: reads ahead of writes; one thread per core on memory-speed volumes; store
+threads of their own at a lower CPU priority (store_nice)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import pytest
 
+from kvtier_offload import iopool
 from kvtier_offload import store as store_mod
 from kvtier_offload.iopool import IOPool
 
@@ -81,13 +83,15 @@ def test_store_runs_one_reads_first_thread_per_core_on_a_memory_speed_volume(
         tmp_path, monkeypatch):
     monkeypatch.setattr(store_mod, "probe_memory_speed", lambda d, o: True)
     fast = store_mod.BlockStore(store_mod.StoreConfig(root=str(tmp_path), fingerprint="0" * 16,
-                                                      read_threads=8, write_threads=8))
+                                                      read_threads=8, write_threads=8,
+                                                      store_nice=0))
     monkeypatch.setattr(store_mod, "probe_memory_speed", lambda d, o: False)
     slow = store_mod.BlockStore(store_mod.StoreConfig(root=str(tmp_path), fingerprint="0" * 16,
-                                                      read_threads=8, write_threads=8))
+                                                      read_threads=8, write_threads=8,
+                                                      store_nice=0))
     pinned = store_mod.BlockStore(store_mod.StoreConfig(
         root=str(tmp_path), fingerprint="0" * 16, read_threads=8, write_threads=8,
-        io_threads=3))
+        io_threads=3, store_nice=0))
     try:
         cores = len(os.sched_getaffinity(0))
         assert fast.pool.threads == min(cores, 16)
@@ -205,3 +209,112 @@ def test_an_urgent_read_goes_before_queued_reads():
     gate.set()
     pool.close()
     assert order == ["blocker", "u0", "r0", "r1"], order
+
+
+def thread_nice(tid: int) -> int:
+    """A thread's nice value as the kernel reports it (field 19 of its stat)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        stat = f.read()
+    return int(stat.rsplit(")", 1)[1].split()[16])  # fields 3.. follow the name
+
+
+def nice_of_tasks(pool: IOPool) -> dict[str, int]:
+    """The nice value each kind of task runs at on pool: one read and one write task
+    record their thread's."""
+    seen: dict[str, int] = {}
+    done = threading.Event()
+
+    def record(kind: str):
+        def run():
+            seen[kind] = thread_nice(threading.get_native_id())
+            if len(seen) == 2:
+                done.set()
+        return run
+
+    pool.submit_read(record("load"))
+    pool.submit_write(record("store"))
+    assert done.wait(5)
+    return seen
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux /proc only")
+def test_stores_run_at_the_configured_nice_value_and_loads_at_the_process_s(tmp_path):
+    own = thread_nice(threading.get_native_id())
+    store = store_mod.BlockStore(store_mod.StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=2, write_threads=2,
+        store_nice=7))
+    try:
+        for _ in range(5):  # whichever threads take them
+            assert nice_of_tasks(store.pool) == {"load": own, "store": min(19, own + 7)}
+        # Loads never wait on the store threads, nor stores on the load threads.
+        assert (store.pool.spare(reads=True), store.pool.spare(reads=False)) == (2, 2)
+    finally:
+        store.close()
+    shared = store_mod.BlockStore(store_mod.StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=2, write_threads=2,
+        store_nice=0))
+    try:
+        assert nice_of_tasks(shared.pool) == {"load": own, "store": own}
+    finally:
+        shared.close()
+
+
+def test_with_a_store_priority_each_kind_of_task_waits_only_for_its_own_threads():
+    pool = IOPool(read_threads=1, write_threads=1, store_nice=5)
+    gate = threading.Event()
+    ran = threading.Event()
+    try:
+        pool.submit_write(lambda: gate.wait(5))
+        pool.submit_write(lambda: gate.wait(5))  # queued behind the one store thread
+        wait_busy(pool, reads=0, writes=1)
+        assert (pool.spare(reads=True), pool.spare(reads=False)) == (1, 0)
+        pool.submit_read(ran.set)  # the load thread never took the queued store
+        assert ran.wait(5)
+        assert pool.busy() == (0, 1)
+    finally:
+        gate.set()
+        assert pool.close(10)  # every queued store still runs before the threads stop
+
+
+def test_the_store_threads_keep_working_where_the_priority_cannot_be_lowered(
+        tmp_path, monkeypatch, caplog):
+    def refuse(by: int) -> int:
+        raise PermissionError("not permitted")
+
+    monkeypatch.setattr(iopool, "lower_priority", refuse)
+    from tests.offload.conftest import keys, rows
+
+    with caplog.at_level("WARNING", logger=iopool.__name__):
+        store = store_mod.BlockStore(store_mod.StoreConfig(
+            root=str(tmp_path), fingerprint="0" * 16, read_threads=1, write_threads=3,
+            store_nice=10))
+        try:
+            ks = keys(6)
+            store.store(1, list(zip(ks, rows(6, 64 << 10, seed=2))))
+            assert store.drain(30)
+            assert all(outcome.success for outcome in store.finished())
+        finally:
+            store.close()
+    said = [r for r in caplog.records if "keep the process's CPU priority" in r.getMessage()]
+    assert len(said) == 1  # once for the pool, not once per thread
+
+
+def test_the_pool_shape_with_store_threads_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod, "probe_memory_speed", lambda d, o: True)
+    fast = store_mod.BlockStore(store_mod.StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=8, write_threads=8))
+    pinned = store_mod.BlockStore(store_mod.StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=8, write_threads=8,
+        io_threads=3))
+    lookups_only = store_mod.BlockStore(store_mod.StoreConfig(
+        root=str(tmp_path), fingerprint="0" * 16, read_threads=1, write_threads=0))
+    try:
+        cores = min(len(os.sched_getaffinity(0)), 8)
+        assert store_mod.StoreConfig(root="", fingerprint="").store_nice == 10
+        assert (fast.pool.threads, fast.pool.write_threads) == (2 * cores, cores)
+        assert (pinned.pool.threads, pinned.pool.write_threads) == (6, 3)
+        assert (lookups_only.pool.threads, lookups_only.pool.store_nice) == (1, 0)
+    finally:
+        fast.close()
+        pinned.close()
+        lookups_only.close()

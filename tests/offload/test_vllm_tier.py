@@ -3,6 +3,7 @@ loading), the shared CPU region, TransferJob/JobResult, events, drain and shutdo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,10 +33,11 @@ from tests.helpers import tpc_doc  # noqa: E402
 PAGE = 16384  # bytes per GPU block in this toy geometry
 
 
-def make_manager(root, engine: str, dtype: str = "bfloat16", events: bool = True):
+def make_manager(root, engine: str, dtype: str = "bfloat16", events: bool = True,
+                 **settings):
     tier = {"type": "KvtierStorageTier", "module_path": "kvtier_offload.vllm_tier",
             "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2,
-            "enable_kv_events": events}
+            "enable_kv_events": events, **settings}
     cfg = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
                                       group_id=0),),
@@ -315,3 +317,36 @@ def test_the_tier_is_only_ever_polled_from_the_scheduler_thread(tier):
     assert KvtierStorageTier.__dict__.get("tolerates_off_thread_polling") is False
     polled = getattr(tier._test_manager, "_polled_tiers", None)  # 0.33's manager
     assert polled is None or tier not in polled
+
+
+def test_the_store_priority_comes_from_the_tier_settings(tmp_path):
+    """store_nice in the tier's settings (vLLM's secondary_tiers) reaches the I/O pool; the
+    connector's extra config (vllm_spec) the same; a bad value names the setting."""
+    from types import SimpleNamespace
+
+    from kvtier_offload import vllm_spec
+
+    for settings, nice in (({}, 10), ({"store_nice": 3}, 3), ({"store_nice": 0}, 0)):
+        manager, t = make_manager(tmp_path / str(nice), f"kvtier-nice-{nice}-{os.getpid()}",
+                                  **settings)
+        try:
+            assert t.store.pool.store_nice == nice
+        finally:
+            manager.shutdown()
+    bad = f"kvtier-nice-bad-{os.getpid()}"
+    try:
+        with pytest.raises(ValueError, match="store_nice must be a whole number from 0 to 19"):
+            make_manager(tmp_path / "bad", bad, store_nice=25)
+    finally:  # the CPU region vLLM made before the tier refused (no manager to shut down)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/vllm_offload_{bad}.mmap")
+    for extra, nice in (({}, 10), ({"store_nice": 5}, 5)):
+        spec = SimpleNamespace(extra_config={"root_dir": str(tmp_path / "spec"), **extra})
+        store = vllm_spec._store(spec, {"rank": 0})
+        try:
+            assert store.pool.store_nice == nice
+        finally:
+            store.close()
+    with pytest.raises(ValueError, match="store_nice"):
+        vllm_spec._store(SimpleNamespace(extra_config={"root_dir": str(tmp_path / "spec"),
+                                                       "store_nice": "low"}), {"rank": 0})

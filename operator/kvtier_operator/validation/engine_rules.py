@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier_operator.api.v1alpha1 import RouterScoring, TieredPrefixCacheSpec
+from kvtier_operator.api.v1alpha1 import RouterScoring, StorageBackend, TieredPrefixCacheSpec
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.engines.registry import (
     ADAPTERS,
@@ -59,6 +59,12 @@ def check_spec(spec: TieredPrefixCacheSpec) -> None:
         allowed = ", ".join(str(b) for b in adapter.storage_backends) or "none (leave it unset)"
         raise ValueError(f"spec.storage.backend {backend} is not possible with "
                          f"{adapter.describe()}; allowed: {allowed}")
+    if spec.storage is not None and spec.storage.store_nice is not None and \
+            adapter.storage_backend(spec) != StorageBackend.kvtier:
+        raise ValueError(f"spec.storage.storeNice applies to kvtier's backend only (storage."
+                         f"backend kvtier); remove it with {adapter.describe()}"
+                         + (f" and backend {adapter.storage_backend(spec)}"
+                            if adapter.storage_backend(spec) else ""))
 
 
 def _chained(spec: TieredPrefixCacheSpec | None = None

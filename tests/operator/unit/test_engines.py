@@ -366,6 +366,13 @@ REFUSED = [
     ({**KVBM, "cpu": {"size": "900M"}}, "spec.cpu.size must be at least 1G"),
     ({"connector": "lmcache", "storage": {"pvc": {"size": "1Ti"}, "backend": "vllm-fs"}},
      "storage.backend must be unset with connector lmcache"),
+    ({"storage": {"pvc": {"size": "1Ti"}, "backend": "vllm-fs", "storeNice": 5}},
+     "spec.storage.storeNice applies to kvtier's backend only (storage.backend kvtier); "
+     "remove it with engine vllm and connector native and backend vllm-fs"),
+    ({"connector": "lmcache", "storage": {"pvc": {"size": "1Ti"}, "storeNice": 5,
+                                          "maxSizePerReplica": "1Gi"}},
+     "spec.storage.storeNice applies to kvtier's backend only"),
+    ({"storage": {"pvc": {"size": "1Ti"}, "storeNice": 20}}, "storeNice"),
 ]
 
 

@@ -103,6 +103,18 @@ def test_native_cpu_plus_kvtier():
     }]
 
 
+def test_the_store_priority_reaches_kvtiers_tiers_where_the_spec_sets_it():
+    t = tpc({"storage": {"storeNice": 3},
+             "localDisk": {"capacity": "100Gi", "volume": {"emptyDir": {}}, "storeNice": 0}})
+    disk, shared = kv_transfer_config(t)["kv_connector_extra_config"]["secondary_tiers"]
+    assert (disk["store_nice"], shared["store_nice"]) == (0, 3)
+    no_cpu = tpc({"cpu": None, "storage": {"storeNice": 19}})
+    assert kv_transfer_config(no_cpu)["kv_connector_extra_config"]["store_nice"] == 19
+    # unset: the backend's default (StoreConfig.store_nice), nothing rendered
+    (unset,) = kv_transfer_config(tpc())["kv_connector_extra_config"]["secondary_tiers"]
+    assert "store_nice" not in unset
+
+
 def test_native_no_cpu_tier_uses_kvtiers_own_connector_and_spec_and_recomputes():
     t = tpc({"cpu": None, "storage": {"readThreads": 8, "writeThreads": 4}})
     assert kv_transfer_config(t) == {

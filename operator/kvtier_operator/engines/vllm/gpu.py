@@ -158,7 +158,8 @@ class VllmNative(Adapter):
             tiers.append({"type": LOCAL_TIER_TYPE, "module_path": LOCAL_TIER_MODULE,
                           "root_dir": disk.mount_path, "capacity_bytes": disk.bytes,
                           "n_read_threads": disk.read_threads,
-                          "n_write_threads": disk.write_threads})
+                          "n_write_threads": disk.write_threads,
+                          **store_nice(disk.store_nice)})
         storage = spec.storage
         backend = self.storage_backend(spec)
         if storage is not None and backend is not None:
@@ -166,7 +167,8 @@ class VllmNative(Adapter):
             if backend == StorageBackend.vllm_fs:
                 tier = {"type": "fs"}
             else:
-                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE}
+                tier = {"type": KVTIER_TIER_TYPE, "module_path": KVTIER_TIER_MODULE,
+                        **store_nice(storage.store_nice)}
             tiers.append(tier | {
                 "root_dir": storage.mount_path,
                 "n_read_threads": storage.read_threads,
@@ -258,6 +260,11 @@ class VllmNative(Adapter):
         return None if spec.no_cpu_tier else super().router_cpu_blocks(spec)
 
 
+def store_nice(value: int | None) -> dict[str, int]:
+    """kvtier's store_nice setting where the spec sets one (else the backend's default)."""
+    return {} if value is None else {"store_nice": value}
+
+
 def lmcache_disk_dir(mount_path: str) -> str:
     """LMCache's disk tier directory on the shared volume (its own, below the mount)."""
     return f"{mount_path.rstrip('/')}/{LMCACHE_DISK_DIR}"
@@ -318,6 +325,7 @@ def _no_cpu_tier_config(tpc: TieredPrefixCache) -> dict[str, Any]:
             "root_dir": storage.mount_path,
             "n_read_threads": storage.read_threads,
             "n_write_threads": storage.write_threads,
+            **store_nice(storage.store_nice),
             "max_staging_bytes": sizing.staging_bytes(spec),
             # vLLM's chunk: one file per block_size tokens (a multiple of the GPU block)
             "block_size": sizing.direct_file_tokens(spec),
