@@ -95,8 +95,11 @@ def _sized_pool(config: StoreConfig, memory_speed: bool) -> IOPool:
             os.cpu_count() or 1)
     reads, writes = config.read_threads, config.write_threads
     if writes and config.store_nice:
-        # stores have their own threads (iopool): the limit holds for each kind
-        return IOPool(min(reads, limit) if limit else reads,
+        # Stores have their own threads (iopool), the limit holding for each kind. Loads
+        # keep as many threads as they could take when every thread took either kind
+        # (read_threads + write_threads): a load alone is not slowed by the split.
+        loads = reads + writes
+        return IOPool(min(loads, limit) if limit else loads,
                       min(writes, limit) if limit else writes, store_nice=config.store_nice)
     if limit and limit < reads + writes:
         reads, writes = limit, 0
