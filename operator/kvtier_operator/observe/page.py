@@ -5,6 +5,7 @@ that touches one into an absent figure, never into a zero or a partial sum."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -38,10 +39,18 @@ def _family(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=64)
+def _sample_names(families: frozenset[str]) -> frozenset[str]:
+    """Every name a sample line of one of families can start with (the family's own, and
+    with each of _SUFFIXES): one set lookup a line instead of stripping suffixes."""
+    return frozenset(family + suffix for family in families for suffix in ("", *_SUFFIXES))
+
+
 def select(text: str, families: frozenset[str]) -> tuple[str, int]:
     """The lines of the families a reader reads (samples, HELP and TYPE), for the parser,
     and how many sample lines the whole page has. A page is mostly histograms nobody
     reads here; parsing only what is read keeps 1,000 pods under a fifth of a core."""
+    names = _sample_names(families)
     kept, series = [], 0
     for line in text.splitlines():
         if line.startswith("#"):
@@ -50,15 +59,13 @@ def select(text: str, families: frozenset[str]) -> tuple[str, int]:
                     _family(words[2]) in families:
                 kept.append(line)
             continue
-        if not line.strip():
+        if not line or line.isspace():
             continue
         series += 1
-        end = len(line)
-        for stop in ("{", " "):
-            at = line.find(stop)
-            if at != -1:
-                end = min(end, at)
-        if _family(line[:end]) in families:
+        # A sample's name ends at its labels' "{" or at the first blank, whichever first.
+        brace, blank = line.find("{"), line.find(" ")
+        end = blank if brace == -1 else brace if blank == -1 else min(brace, blank)
+        if (line[:end] if end != -1 else line) in names:
             kept.append(line)
     return "\n".join(kept) + "\n", series
 
