@@ -9,7 +9,6 @@ goes first swaps), on /dev/shm and on the disk; per-round ratios, nice 10 / nice
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import statistics
@@ -27,12 +26,9 @@ BLOCK_SIZES = (256 << 10, 2 << 20)
 
 def one_run(base: str, arena: probe.Arena, blocks: int, nice: int) -> probe.KvtierRun:
     root = tempfile.mkdtemp(prefix="kvtier-nice-", dir=base)
-    original = probe.StoreConfig
-    probe.StoreConfig = functools.partial(StoreConfig, store_nice=nice)  # type: ignore[misc]
     try:
-        run = probe.kvtier(root, arena, blocks, THREADS)
+        run = probe.kvtier(root, arena, blocks, THREADS, store_nice=nice)
     finally:
-        probe.StoreConfig = original  # type: ignore[misc]
         shutil.rmtree(root, ignore_errors=True)
     if run.failures:
         raise RuntimeError(f"{run.failures} blocks failed under {base} (store_nice {nice})")

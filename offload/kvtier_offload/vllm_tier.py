@@ -134,9 +134,11 @@ class KvtierStorageTier(SecondaryTierManager):
                                             self.medium, self.locality)
         if self.events is not None:
             self.store.removals = self.events.removals
-        log.info("kvtier tier at %s (fingerprint %s, O_DIRECT %s, %d+%d threads)",
-                 self.store.layout.base, self.store.layout.fingerprint, self.store.o_direct,
-                 n_read_threads, n_write_threads)
+        log.info("kvtier tier at %s (fingerprint %s, O_DIRECT %s, %d load and %d store "
+                 "threads, stores at nice +%d)", self.store.layout.base,
+                 self.store.layout.fingerprint, self.store.o_direct,
+                 self.store.pool.read_threads, self.store.pool.write_threads,
+                 self.store.pool.store_nice)
 
     def _bound_requests(self, offloading_spec: Any, recompute_bound: bool,
                         read_threads: int,

@@ -102,13 +102,16 @@ class KvtierRun(Run):
 
 
 def kvtier(root: str, arena: Arena, blocks: int, threads: int,
-           between: Callable[[], None] = lambda: None) -> KvtierRun:
+           between: Callable[[], None] = lambda: None, store_nice: int = 0) -> KvtierRun:
     """Store then load `blocks` blocks from/into arena's rows under root, one job per
-    thread's share; between: called after the stores (the benchmark drops caches)."""
+    thread's share; between: called after the stores (the benchmark drops caches).
+    store_nice 0 by default: every thread takes either kind at the caller's priority, as
+    vLLM's fs tier's threads do, so the two compare like for like (what a store priority
+    costs on an idle CPU: benchmarks/store_nice.py)."""
     half = max(threads // 2, 1)
     store = BlockStore(StoreConfig(root=root, fingerprint="0123456789abcdef",
                                    read_threads=half, write_threads=max(threads - half, 0),
-                                   write_queue_seconds=3600))
+                                   write_queue_seconds=3600, store_nice=store_nice))
     rows, block = arena.rows, arena.rows.shape[1]
     keys, ids = block_keys(blocks, "kvtier"), arena.row_ids(blocks)
     jobs = shares(blocks, threads)
