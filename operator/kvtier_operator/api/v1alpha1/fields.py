@@ -19,6 +19,14 @@ from kvtier_operator.api.quantity import (
 )
 from kvtier_operator.api.rules import Rule
 
+# spec.storage.storeNice and spec.localDisk.storeNice: what kvtier's backend does with it.
+STORE_NICE_DESCRIPTION = (
+    "kvtier's backend only: how much lower than the engine's the CPU priority (nice "
+    "value) of the threads that write blocks is, so that background stores yield the CPU "
+    "to the model server's own prefill (inside the pod: nice weighs only against the "
+    "pod's own processes); loads keep the engine's priority. Default 10; 0: stores and "
+    "loads share threads at the engine's priority.")
+
 # A size: checked against a bounded grammar before any conversion (see quantity.py). The
 # CRD carries the same grammar as a pattern: a CEL rule on an int-or-string field would
 # be costed as a 3 MB string, which the API server refuses.

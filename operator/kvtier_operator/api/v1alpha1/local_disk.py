@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvtier_operator.api.quantity import GIB, MIB, quantity_bytes
 from kvtier_operator.api.v1alpha1.fields import (
+    STORE_NICE_DESCRIPTION,
     ApiModel,
     HostPath,
     MountPath,
@@ -87,13 +88,8 @@ class LocalDiskTier(ApiModel):
     )
     read_threads: int = Field(default=16, ge=1, le=256, description="Parallel file readers.")
     write_threads: int = Field(default=8, ge=1, le=256, description="Parallel file writers.")
-    store_nice: int | None = Field(
-        default=None, ge=0, le=19,
-        description="How much lower than the engine's the CPU priority (nice value) of the "
-        "threads that write blocks is, so that on a busy node background stores yield the "
-        "CPU to prefill (loads keep the engine's priority); default 10; 0: stores and loads "
-        "share threads at the engine's priority.",
-    )
+    store_nice: int | None = Field(default=None, ge=0, le=19,
+                                   description=STORE_NICE_DESCRIPTION)
 
     @model_validator(mode="after")
     def _room_for_blocks(self) -> LocalDiskTier:

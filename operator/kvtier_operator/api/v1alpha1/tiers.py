@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kvtier_operator.api.quantity import MIB, quantity_bytes
 from kvtier_operator.api.v1alpha1.fields import (
     ENUM_BOUND,
+    STORE_NICE_DESCRIPTION,
     ApiModel,
     ClaimName,
     MountPath,
@@ -168,13 +169,8 @@ class StorageTier(ApiModel):
     )
     read_threads: int = Field(default=16, ge=1, le=256, description="Parallel file readers.")
     write_threads: int = Field(default=16, ge=1, le=256, description="Parallel file writers.")
-    store_nice: int | None = Field(
-        default=None, ge=0, le=19,
-        description="kvtier's backend only: how much lower than the engine's the CPU "
-        "priority (nice value) of the threads that write blocks is, so that on a busy node "
-        "background stores yield the CPU to prefill (loads keep the engine's priority); "
-        "default 10; 0: stores and loads share threads at the engine's priority.",
-    )
+    store_nice: int | None = Field(default=None, ge=0, le=19,
+                                   description=STORE_NICE_DESCRIPTION)
     max_size_per_replica: Quantity | None = Field(
         default=None,
         description="LMCache only: the disk cap of one replica (LMCACHE_MAX_LOCAL_DISK_SIZE). "
