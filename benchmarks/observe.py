@@ -13,11 +13,15 @@ one process serves the admission webhook (HTTPS, its admission lanes), runs reco
 one after another through a thread (as kopf's handlers do) and runs the Observer over the
 same 1,000 pods (its reads in the Observer's reading process, as in the operator); a
 client in another process sends admissions (500 a round, 20 in flight,
-benchmarks/webhook.py's). Rounds alternate off, on, off, on...; "on" runs observation
-rounds back to back while the admissions and reconciles are measured (the operator runs
-one every 30 s, so this is the worst case). Ratio: p50 and p99 on / off, pooled over the
-rounds; "not measurably worse" where the p50 ratio is within the run's own noise (the
-spread of the off rounds' p50s, at least FLOOR). The load average is printed with them.
+benchmarks/webhook.py's). Rounds cycle off, on, floor, off, on, floor...; "on" runs
+observation rounds back to back while the admissions and reconciles are measured (the
+operator runs one every 30 s, so this is the worst case); "floor" runs no observation but
+a process at the reading process's priority that only burns CPU, as long as a round: what
+any CPU work at that priority costs the webhook on this machine, which no change to the
+observation's code can go under. Ratios: p50 and p99 on / off and floor / off, pooled
+over the rounds; "not measurably worse" where on / off is within the run's own noise (the
+spread of that percentile between the off rounds, at least NOISE_FLOOR). The load
+average is printed with them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_operator.engines.registry import adapter_for
+from kvtier_operator.observe import reading_process
 from kvtier_operator.observe.observer import (
     CacheObservation,
     CacheTargets,
@@ -89,38 +94,65 @@ def reconcile_ms(doc: dict, observed: CacheObservation | None, n: int = 200) -> 
     return (time.perf_counter() - start) / n * 1000
 
 
-ADMISSION_ROUNDS = 5  # of each, alternating
+ADMISSION_ROUNDS = 8  # of each, alternating
 RECONCILE_PAUSE = 0.02  # seconds between two measured reconciles
 # "Not measurably worse": an on/off ratio (p50, p99) within this run's own noise, i.e. no
 # larger than the spread of that percentile between the "off" rounds themselves
-# (max/min), and never a bar under FLOOR: a 10% change is within what the same code
+# (max/min), and never a bar under NOISE_FLOOR: a 10% change is within what the same code
 # shows from one round to the next on a shared 2-core machine.
-FLOOR = 1.10
+NOISE_FLOOR = 1.10
+# The rounds' kinds, in flags[0] (what the server runs) and flags[2] (what is under way).
+OFF, OBSERVING, BURNING = 0, 1, 2
+ARMS = {OFF: "off", OBSERVING: "on", BURNING: "floor"}
 
 
-def serve_observing(port: int, certs: str, page_port: int, results: Any, ready: Any,
-                    flags: Any) -> None:
-    """The operator's process, in small: the webhook; while flags[0] is 1, the Observer
-    reading every pod round after round (flags[1] counts the rounds, flags[2] is 1 while
-    one runs); while flags[3] is 1, reconciles run one after another through a thread as
-    kopf's handlers run them, their latencies put on `results` when flags[3] drops."""
+def burn(seconds: float) -> None:
+    """The floor arm's work: CPU and nothing else (no reads, no pages, no results), for
+    `seconds`."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for _ in range(10_000):
+            x += 1
+
+
+def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
+                    results: Any, ready: Any, flags: Any) -> None:
+    """The operator's process, in small: the webhook; while flags[0] is OBSERVING, the
+    Observer reading every pod round after round (flags[1] counts the rounds); while it
+    is BURNING, `burn` in a process at the reading process's priority, burn_seconds at a
+    time (flags[2] says which of the two is under way, OFF when neither); while flags[3]
+    is 1, reconciles run one after another through a thread as kopf's handlers run them,
+    their latencies put on `results` when flags[3] drops."""
+    from concurrent.futures import ProcessPoolExecutor
+
     import yaml
 
     from kvtier_operator.admission_lanes import AdmissionLanes
     from kvtier_operator.context import RenderContext
     from kvtier_operator.webhook import CacheRegistry, ConflictLog, make_app, serve, tls_context
+    from kvtier_operator.worker_process import init_worker
     from tests.helpers import EXAMPLES
+
+    burner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=init_worker,
+                                 initargs=(reading_process.NICENESS, reading_process.IDLE))
+    burner.submit(burn, 0.0).result()
 
     async def observing(observer: Observer, caches: list[CacheTargets]) -> None:
         while True:
-            if flags[0]:
-                flags[2] = 1
+            mode = flags[0]
+            if mode == OFF:
+                await asyncio.sleep(0.05)
+                continue
+            flags[2] = mode
+            if mode == OBSERVING:
                 await observer.observe(caches, NOW)
-                flags[2] = 0
                 with flags.get_lock():
                     flags[1] += 1
             else:
-                await asyncio.sleep(0.05)
+                await asyncio.wrap_future(burner.submit(burn, burn_seconds))
+            flags[2] = OFF
 
     async def reconciling(observer: Observer) -> None:
         doc = body({"cpu": None})
@@ -161,33 +193,37 @@ def serve_observing(port: int, certs: str, page_port: int, results: Any, ready: 
         for task in tasks:
             task.cancel()
         observer.reading.close()
+        burner.shutdown(cancel_futures=True)
         lanes.close()
         del runner
 
     asyncio.run(run())
 
 
-def _ratio_line(name: str, on: list[float], off: list[float], rounds_off: list[list[float]],
-                percentile: Any) -> str:
-    """On / off at p50 and p99, each against its bar: the spread of that percentile
-    between the off rounds themselves (the run's own noise), at least FLOOR."""
-    parts, worse = [], []
+def _ratios(rounds: dict[int, list[list[float]]], percentile: Any) -> tuple[str, str]:
+    """On / off and floor / off at p50 and p99, pooled over the rounds; on / off against
+    its bar: the spread of that percentile between the off rounds themselves (the run's
+    own noise), at least NOISE_FLOOR."""
+    pooled = {arm: [x for r in rounds[arm] for x in r] for arm in ARMS}
+    parts, floor, worse = [], [], []
     for label, q in (("p50", 0.5), ("p99", 0.99)):
-        a, b = percentile(on, q) * 1e3, percentile(off, q) * 1e3
-        per_round = [percentile(r, q) for r in rounds_off if r]
+        on, off, burned = (percentile(pooled[arm], q) * 1e3
+                           for arm in (OBSERVING, OFF, BURNING))
+        per_round = [percentile(r, q) for r in rounds[OFF] if r]
         spread = max(per_round) / min(per_round) if per_round and min(per_round) > 0 \
-            else FLOOR
-        bar = max(FLOOR, spread)
-        parts.append(f"{label} {a:.2f} ms on vs {b:.2f} ms off: ratio {a / b:.2f} "
+            else NOISE_FLOOR
+        bar = max(NOISE_FLOOR, spread)
+        parts.append(f"{label} {on:.2f} ms on vs {off:.2f} ms off: ratio {on / off:.2f} "
                      f"(bar {bar:.2f}, the off rounds' own spread)")
-        if a / b > bar:
+        floor.append(f"{label} {burned:.2f} ms: ratio {burned / off:.2f}")
+        if on / off > bar:
             worse.append(label)
     verdict = f"MEASURABLY WORSE at {' and '.join(worse)}" if worse else \
         "not measurably worse"
-    return f"{name}: " + "; ".join(parts) + f": {verdict}"
+    return "; ".join(parts) + f": {verdict}", "; ".join(floor)
 
 
-def admission_on_off(page_port: int) -> None:
+def admission_on_off(page_port: int, burn_seconds: float) -> None:
     from benchmarks.webhook import (
         CONCURRENCY,
         REQUESTS,
@@ -204,40 +240,42 @@ def admission_on_off(page_port: int) -> None:
     port = free_port()
     url = f"https://127.0.0.1:{port}/mutate-pods"
     review = review_body(sample_pod("p"))
-    admissions: dict[bool, list[list[float]]] = {False: [], True: []}
-    reconciles: dict[bool, list[list[float]]] = {False: [], True: []}
+    admissions: dict[int, list[list[float]]] = {arm: [] for arm in ARMS}
+    reconciles: dict[int, list[list[float]]] = {arm: [] for arm in ARMS}
     results = multiprocessing.get_context("spawn").Queue()
     load_before = os.getloadavg()
-    with Background(serve_observing, port, str(certs), page_port, results, slots=4) as server:
+    with Background(serve_observing, port, str(certs), page_port, burn_seconds, results,
+                    slots=4) as server:
         measure(url, client_ssl, review)  # warm-up
         for _ in range(ADMISSION_ROUNDS):
-            for on in (False, True):
-                server.counts[0] = int(on)
-                # on: an observation round is under way; off: the last one has ended
-                while server.counts[2] != int(on) and server.process.is_alive():
+            for arm in ARMS:
+                server.counts[0] = arm
+                # on and floor: their work under way; off: the last of it has ended
+                while server.counts[2] != arm and server.process.is_alive():
                     time.sleep(0.02)
                 server.counts[3] = 1
                 latencies, _ = measure(url, client_ssl, review)
                 server.counts[3] = 0
-                admissions[on].append(latencies)
-                reconciles[on].append(results.get(timeout=60))
-        server.counts[0] = 0
+                admissions[arm].append(latencies)
+                reconciles[arm].append(results.get(timeout=60))
+        server.counts[0] = OFF
         rounds_seen = server.counts[1]
     load_after = os.getloadavg()
-    print(f"same run, {ADMISSION_ROUNDS} alternating rounds each of observation off and on "
-          f"(an observation round of {CACHES * PODS_PER_CACHE} pods under way throughout each "
-          f"'on' round, rounds back to back, the worst case; {rounds_seen} finished); load "
-          f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
-          f"{os.cpu_count()} cores")
-    pooled = {on: [x for r in admissions[on] for x in r] for on in (False, True)}
-    text = _ratio_line(f"  admission ({REQUESTS} a round, {CONCURRENCY} in flight)",
-                             pooled[True], pooled[False], admissions[False], percentile)
-    print(text)
-    pooled = {on: [x for r in reconciles[on] for x in r] for on in (False, True)}
-    text = _ratio_line(f"  reconcile through a thread ({len(pooled[True])} on, "
-                             f"{len(pooled[False])} off)", pooled[True], pooled[False],
-                             reconciles[False], percentile)
-    print(text)
+    print(f"same run, {ADMISSION_ROUNDS} rounds each of observation off, on and the floor, "
+          f"in turn (on: an observation round of {CACHES * PODS_PER_CACHE} pods under way "
+          f"throughout, rounds back to back, the worst case; {rounds_seen} finished; floor: "
+          f"a process at the reading process's priority burning CPU, {burn_seconds:.1f} s "
+          f"at a time, as long as a round); load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after, on {os.cpu_count()} cores")
+    counted = {arm: sum(map(len, reconciles[arm])) for arm in ARMS}
+    for name, rounds in ((f"admission ({REQUESTS} a round, {CONCURRENCY} in flight)",
+                          admissions),
+                         (f"reconcile through a thread ({counted[OBSERVING]} on, "
+                          f"{counted[OFF]} off)", reconciles)):
+        on, floor = _ratios(rounds, percentile)
+        print(f"  {name}: {on}")
+        print(f"    floor (CPU burnt at the reading process's priority, no observation): "
+              f"{floor}")
 
 
 def worker_cpu_seconds(pid: int | None) -> float:
@@ -291,7 +329,7 @@ def main() -> None:
         off, on = reconcile_ms(doc, None), reconcile_ms(doc, snap)
         print(f"one reconcile: {on:.2f} ms with the observation, {off:.2f} ms with "
               f"observation off: ratio {on / off:.2f}")
-        admission_on_off(port)
+        admission_on_off(port, sorted(wall)[len(wall) // 2])
     finally:
         server.terminate()
         server.wait()

@@ -312,6 +312,10 @@ def _int(value: float | None) -> int | None:
 def _finite(w: WindowSum) -> WindowSum:
     """The window without sums that are not finite numbers (missing, with why)."""
     bad = {k for k, v in w.counters.items() if not math.isfinite(v)}
+    # Nothing to leave out (the common case, so no copy): no sum is infinite. A step is
+    # a difference of two finite, non-negative readings (PodHistory.add), always finite.
+    if not bad and all(math.isfinite(v) for pod in w.per_pod() for v in pod.counters.values()):
+        return w
 
     def kept(counters: dict[Key, float]) -> dict[Key, float]:
         return {k: v for k, v in counters.items() if k not in bad and math.isfinite(v)}

@@ -5,9 +5,9 @@ Reading a thousand pages is CPU work (HTTP, prometheus_client's parser, the engi
 readers): on the operator's own loop it made admissions measurably slower while a round
 ran (benchmarks/observe.py). Here it runs in one worker process of a
 concurrent.futures.ProcessPoolExecutor (started with "spawn": the operator's process has
-threads, which fork would copy mid-state; at a lower CPU priority, so that on a busy node
-the webhook and the handlers come first). What comes back is one small ReadResult per pod,
-packed on its own (reads.read_round).
+threads, which fork would copy mid-state; under SCHED_IDLE, so that the webhook and the
+handlers get the CPU back from it the moment they wake: worker_process.py). What comes
+back is one small ReadResult per pod, packed on its own (reads.read_round).
 
 Bounded like everything read from pods: each pod's read has its deadline and caps inside
 the worker, and the round as a whole has one here (`round_deadline`). A worker that
@@ -31,7 +31,10 @@ from kvtier_operator.observe.reads import ReadJob, ReadResult, ReadSettings, pac
 from kvtier_operator.worker_process import init_worker
 
 log = logging.getLogger("kvtier_operator.observe")
-NICENESS = 10  # the worker's, added to the operator's
+NICENESS = 10  # the worker's, added to the operator's (where SCHED_IDLE is refused)
+# SCHED_IDLE: admissions measured 1.4-1.6x slower at p99 with a round always under way
+# with nice alone (10 or 19), within their own noise with it (benchmarks/observe.py).
+IDLE = True
 START_SECONDS = 60.0  # a new worker's start (imports) on a busy node
 SLACK_SECONDS = 30.0  # parsing and the readers, beyond the reads' own deadlines
 PARSE_SHARE = 0.7  # of the round's deadline, after which the worker parses no more pages
@@ -60,7 +63,8 @@ class ReadingProcess:
         if self._pool is None:
             pool = ProcessPoolExecutor(max_workers=1,
                                        mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=init_worker, initargs=(NICENESS,))
+                                       initializer=init_worker,
+                                       initargs=(NICENESS, IDLE))
             try:
                 self._pid = await asyncio.wait_for(
                     asyncio.wrap_future(pool.submit(os.getpid)), START_SECONDS)

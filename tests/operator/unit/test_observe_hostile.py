@@ -64,12 +64,14 @@ NAN = GOOD.replace('source="external_unspecified"} 192.0', 'source="external_uns
 
 
 async def test_hostile_endpoints_cost_only_their_own_read(monkeypatch):
-    # The reading process runs niced in the operator (observation yields to admissions);
-    # here it runs at the test's priority, so that what is timed is the reads' bounds,
-    # not how the scheduler shares a busy CI runner with a nice-10 process.
+    # The reading process runs SCHED_IDLE in the operator (observation yields to
+    # admissions); here it runs at the test's priority, so that what is timed is the
+    # reads' bounds, not how the scheduler shares a busy CI runner with an idle-policy
+    # process (test_worker_priority.py tests the priority).
     from kvtier_operator.observe import reading_process
 
     monkeypatch.setattr(reading_process, "NICENESS", 0)
+    monkeypatch.setattr(reading_process, "IDLE", False)
     app = web.Application()
     app.router.add_get("/good", handler(GOOD))
     app.router.add_get("/nan", handler(NAN))
