@@ -12,16 +12,19 @@ Admission and reconcile latency with observation on vs off, as the operator runs
 one process serves the admission webhook (HTTPS, its admission lanes), runs reconciles
 one after another through a thread (as kopf's handlers do) and runs the Observer over the
 same 1,000 pods (its reads in the Observer's reading process, as in the operator); a
-client in another process sends admissions (500 a round, 20 in flight,
-benchmarks/webhook.py's). Rounds cycle off, on, floor, off, on, floor...; "on" runs
-observation rounds back to back while the admissions and reconciles are measured (the
-operator runs one every 30 s, so this is the worst case); "floor" runs no observation but
-a process at the reading process's priority that only burns CPU, as long as a round: what
-any CPU work at that priority costs the webhook on this machine, which no change to the
-observation's code can go under. Ratios: p50 and p99 on / off and floor / off, pooled
-over the rounds; "not measurably worse" where on / off is within the run's own noise (the
-spread of that percentile between the off rounds, at least NOISE_FLOOR). The load
-average is printed with them.
+client in another process keeps 20 admissions in flight (benchmarks/webhook.py's). Each
+cycle has four arms, each measured from the start of its work to its end (a round's
+reads and then its fold into the windows on the operator's loop, whole):
+- off: nothing, for as long as a round takes;
+- on: one observation round, the reading process under SCHED_IDLE (the product);
+- niced: one round with the reading process niced only (+10), the control (as before);
+- floor: no observation; a process at the reading process's priority burns CPU for as
+  long as a round: what any CPU work at that priority costs the webhook here.
+Per cycle: each arm's p50 and p99 over the cycle's off arm. Over the cycles: the
+geometric mean of those ratios and its 95% interval (a bootstrap over the cycles).
+"Not measurably worse": the interval's upper end at or under MATERIAL. "At 30 s": the
+same with the on arm's samples weighted by the share of time a round is under way at
+the default interval (the off arm's the rest), as the operator runs it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import reading_process
@@ -48,6 +54,8 @@ from kvtier_operator.observe.observer import (
     ObserveSettings,
     Target,
 )
+from kvtier_operator.observe.page import parse
+from kvtier_operator.observe.window import PodHistory, WindowSum
 from kvtier_operator.reconcile import reconcile
 from kvtier_operator.validation import parse_tpc
 from tests.e2e.observe_server import free_port
@@ -57,13 +65,15 @@ from tests.operator.unit.test_reconcile import CTX, NOW, FakeGateway, body
 CACHES, PODS_PER_CACHE, ROUNDS = 50, 20, 3
 INTERVAL = ObserveSettings().interval
 PAGE = ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-gpu-direct-b-loaded.txt"
-# The pods' pages: a server in another process, niced, as it stands for other machines
-# (on a shared 2-core machine it would otherwise take the webhook's CPU, which in a
-# cluster it does not).
+# The pods' pages: a server in another process under SCHED_IDLE, as it stands for other
+# machines: on a shared 2-core machine it would otherwise take the webhook's CPU, which in
+# a cluster it does not (niced only, it still made each of its wake-ups a wait for the
+# webhook: the cost that SCHED_IDLE takes off the reading process).
 SERVER = """
 import os, sys
 from aiohttp import web
 os.nice(10)
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 page = open(sys.argv[1]).read()
 async def serve(request):
     return web.Response(text=page)
@@ -86,6 +96,33 @@ def targets(port: int) -> list[CacheTargets]:
         for p in range(PODS_PER_CACHE))) for c in range(CACHES)]
 
 
+WINDOW_STEPS = int(ObserveSettings().window // INTERVAL)
+
+
+def full_window(page: str, pods: int) -> CacheObservation:
+    """A cache's observation as the status sums it at the defaults: each pod read
+    WINDOW_STEPS + 1 times, INTERVAL apart, its counters and histogram buckets growing
+    at every read (by different amounts per pod), all of it within the window."""
+    launcher = adapter_for(parse_tpc(body({"cpu": None})).spec).launcher
+    figures = launcher.read_metrics(parse(page, 20_000, launcher.metric_families).samples,
+                                    ("storage",))
+    assert figures is not None
+    window, settings = WindowSum(), ObserveSettings()
+    for p in range(pods):
+        history = PodHistory()
+        for k in range(WINDOW_STEPS + 1):
+            grow = k * (1 + p)
+            history.add(k * INTERVAL, replace(
+                figures,
+                counters={key: v + grow * 1000.0 for key, v in figures.counters.items()},
+                histograms={key: tuple((le, n + grow * 10.0) for le, n in buckets)
+                            for key, buckets in figures.histograms.items()}),
+                settings.window)
+        window.add(history, WINDOW_STEPS * INTERVAL)
+    return CacheObservation(window=window, pods_read=pods, pods_unreadable=0, problems=[],
+                            observed_at=NOW, reads=True, pods_selected=pods)
+
+
 def reconcile_ms(doc: dict, observed: CacheObservation | None, n: int = 200) -> float:
     start = time.perf_counter()
     for _ in range(n):
@@ -94,16 +131,16 @@ def reconcile_ms(doc: dict, observed: CacheObservation | None, n: int = 200) -> 
     return (time.perf_counter() - start) / n * 1000
 
 
-ADMISSION_ROUNDS = 8  # of each, alternating
+CYCLES = 8
 RECONCILE_PAUSE = 0.02  # seconds between two measured reconciles
-# "Not measurably worse": an on/off ratio (p50, p99) within this run's own noise, i.e. no
-# larger than the spread of that percentile between the "off" rounds themselves
-# (max/min), and never a bar under NOISE_FLOOR: a 10% change is within what the same code
-# shows from one round to the next on a shared 2-core machine.
-NOISE_FLOOR = 1.10
-# The rounds' kinds, in flags[0] (what the server runs) and flags[2] (what is under way).
-OFF, OBSERVING, BURNING = 0, 1, 2
-ARMS = {OFF: "off", OBSERVING: "on", BURNING: "floor"}
+# The largest on/off ratio (p50, p99) that counts as "not measurably worse": the upper
+# end of its 95% interval over the cycles must be at or under it. Fixed before measuring.
+MATERIAL = 1.10
+BOOTSTRAP = 2000
+# The arms, in flags[0] (the work the server is asked to start) and flags[2] (the work
+# under way; OFF when none).
+OFF, OBSERVING, NICED, BURNING = 0, 1, 2, 3
+ARMS = {OFF: "off", OBSERVING: "on", NICED: "niced", BURNING: "floor"}
 
 
 def burn(seconds: float) -> None:
@@ -118,11 +155,11 @@ def burn(seconds: float) -> None:
 
 def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
                     results: Any, ready: Any, flags: Any) -> None:
-    """The operator's process, in small: the webhook; while flags[0] is OBSERVING, the
-    Observer reading every pod round after round (flags[1] counts the rounds); while it
-    is BURNING, `burn` in a process at the reading process's priority, burn_seconds at a
-    time (flags[2] says which of the two is under way, OFF when neither); while flags[3]
-    is 1, reconciles run one after another through a thread as kopf's handlers run them,
+    """The operator's process, in small: the webhook; asked for one (flags[0]), one
+    observation round (OBSERVING: the reading process under SCHED_IDLE; NICED: niced
+    only) or `burn` in a process at the reading process's priority for burn_seconds
+    (BURNING), flags[2] saying which is under way until it has ended; while flags[3] is
+    1, reconciles run one after another through a thread as kopf's handlers run them,
     their latencies put on `results` when flags[3] drops."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -139,17 +176,16 @@ def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
                                  initargs=(reading_process.NICENESS, reading_process.IDLE))
     burner.submit(burn, 0.0).result()
 
-    async def observing(observer: Observer, caches: list[CacheTargets]) -> None:
+    async def working(observers: dict[int, Observer], caches: list[CacheTargets]) -> None:
         while True:
-            mode = flags[0]
-            if mode == OFF:
-                await asyncio.sleep(0.05)
+            arm = flags[0]
+            if arm == OFF:
+                await asyncio.sleep(0.01)
                 continue
-            flags[2] = mode
-            if mode == OBSERVING:
-                await observer.observe(caches, NOW)
-                with flags.get_lock():
-                    flags[1] += 1
+            flags[0] = OFF  # one at a time: the client asks for each
+            flags[2] = arm
+            if arm in observers:
+                await observers[arm].observe(caches, NOW)
             else:
                 await asyncio.wrap_future(burner.submit(burn, burn_seconds))
             flags[2] = OFF
@@ -182,9 +218,12 @@ def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
         await lanes.warm()
         loop = asyncio.get_running_loop()
         observer = Observer(ObserveSettings())
+        niced = Observer(ObserveSettings(),
+                         reading=reading_process.ReadingProcess(idle=False))
         caches = targets(page_port)
-        await observer.observe(caches, NOW)  # the worker started, a snapshot to reconcile
-        tasks = [loop.create_task(observing(observer, caches)),
+        for warm in (observer, niced):  # the workers started, a snapshot to reconcile
+            await warm.observe(caches, NOW)
+        tasks = [loop.create_task(working({OBSERVING: observer, NICED: niced}, caches)),
                  loop.create_task(reconciling(observer))]
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -193,6 +232,7 @@ def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
         for task in tasks:
             task.cancel()
         observer.reading.close()
+        niced.reading.close()
         burner.shutdown(cancel_futures=True)
         lanes.close()
         del runner
@@ -200,36 +240,77 @@ def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
     asyncio.run(run())
 
 
-def _ratios(rounds: dict[int, list[list[float]]], percentile: Any) -> tuple[str, str]:
-    """On / off and floor / off at p50 and p99, pooled over the rounds; on / off against
-    its bar: the spread of that percentile between the off rounds themselves (the run's
-    own noise), at least NOISE_FLOOR."""
-    pooled = {arm: [x for r in rounds[arm] for x in r] for arm in ARMS}
-    parts, floor, worse = [], [], []
+async def _admit_while(url: str, client_ssl: ssl.SSLContext, body: bytes,
+                       going: Any) -> list[float]:
+    """Admissions, CONCURRENCY in flight, each started while going() is true."""
+    from benchmarks.webhook import CONCURRENCY
+
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
+        async def worker() -> None:
+            while going():
+                start = time.perf_counter()
+                async with s.post(url, data=body, ssl=client_ssl,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                latencies.append(time.perf_counter() - start)
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return latencies
+
+
+def weighted_percentile(groups: list[tuple[list[float], float]], q: float) -> float:
+    """The q-th percentile of samples drawn from each group with its weight."""
+    pairs = sorted((x, w / len(xs)) for xs, w in groups if xs for x in xs)
+    total, seen = sum(w for _, w in pairs), 0.0
+    for x, w in pairs:
+        seen += w
+        if seen >= q * total:
+            return x
+    return pairs[-1][0]
+
+
+def interval(ratios: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of ratios and its 95% interval (a bootstrap over them)."""
+    import numpy as np
+
+    logs = np.log(np.asarray(ratios))
+    rng = np.random.default_rng(0)
+    means = rng.choice(logs, size=(BOOTSTRAP, len(logs))).mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
+
+
+def _verdict(mean: float, low: float, high: float) -> str:
+    text = f"{mean:.2f} (95% {low:.2f}-{high:.2f})"
+    if high <= MATERIAL:
+        return text + f": not measurably worse (under {MATERIAL:.2f})"
+    if low > 1.0:
+        return text + ": WORSE"
+    return text + ": not shown either way"
+
+
+def report(name: str, cycles: list[dict[int, list[float]]], share: float) -> None:
+    """Per arm and percentile: the cycles' ratios over their off arm, summed up."""
+    print(f"  {name}:")
     for label, q in (("p50", 0.5), ("p99", 0.99)):
-        on, off, burned = (percentile(pooled[arm], q) * 1e3
-                           for arm in (OBSERVING, OFF, BURNING))
-        per_round = [percentile(r, q) for r in rounds[OFF] if r]
-        spread = max(per_round) / min(per_round) if per_round and min(per_round) > 0 \
-            else NOISE_FLOOR
-        bar = max(NOISE_FLOOR, spread)
-        parts.append(f"{label} {on:.2f} ms on vs {off:.2f} ms off: ratio {on / off:.2f} "
-                     f"(bar {bar:.2f}, the off rounds' own spread)")
-        floor.append(f"{label} {burned:.2f} ms: ratio {burned / off:.2f}")
-        if on / off > bar:
-            worse.append(label)
-    verdict = f"MEASURABLY WORSE at {' and '.join(worse)}" if worse else \
-        "not measurably worse"
-    return "; ".join(parts) + f": {verdict}", "; ".join(floor)
+        off = [weighted_percentile([(c[OFF], 1.0)], q) for c in cycles]
+        print(f"    {label}: off {min(off) * 1e3:.1f}-{max(off) * 1e3:.1f} ms per cycle")
+        for arm in (OBSERVING, NICED, BURNING):
+            ratios = [weighted_percentile([(c[arm], 1.0)], q) / o
+                      for c, o in zip(cycles, off, strict=True)]
+            print(f"      {ARMS[arm]:>5} / off: {_verdict(*interval(ratios))}; per cycle "
+                  + " ".join(f"{r:.2f}" for r in ratios))
+        at_30 = [weighted_percentile([(c[OBSERVING], share), (c[OFF], 1 - share)], q) / o
+                 for c, o in zip(cycles, off, strict=True)]
+        print(f"      at 30 s (on {share:.0%} of the time): {_verdict(*interval(at_30))}")
 
 
 def admission_on_off(page_port: int, burn_seconds: float) -> None:
     from benchmarks.webhook import (
         CONCURRENCY,
-        REQUESTS,
         Background,
         measure,
-        percentile,
         review_body,
         sample_pod,
     )
@@ -240,42 +321,57 @@ def admission_on_off(page_port: int, burn_seconds: float) -> None:
     port = free_port()
     url = f"https://127.0.0.1:{port}/mutate-pods"
     review = review_body(sample_pod("p"))
-    admissions: dict[int, list[list[float]]] = {arm: [] for arm in ARMS}
-    reconciles: dict[int, list[list[float]]] = {arm: [] for arm in ARMS}
+    admissions: list[dict[int, list[float]]] = []
+    reconciles: list[dict[int, list[float]]] = []
     results = multiprocessing.get_context("spawn").Queue()
+    spans: list[float] = []
     load_before = os.getloadavg()
     with Background(serve_observing, port, str(certs), page_port, burn_seconds, results,
                     slots=4) as server:
+        flags = server.counts
         measure(url, client_ssl, review)  # warm-up
-        for _ in range(ADMISSION_ROUNDS):
+        for _ in range(CYCLES):
+            admitted, reconciled = {}, {}
             for arm in ARMS:
-                server.counts[0] = arm
-                # on and floor: their work under way; off: the last of it has ended
-                while server.counts[2] != arm and server.process.is_alive():
-                    time.sleep(0.02)
-                server.counts[3] = 1
-                latencies, _ = measure(url, client_ssl, review)
-                server.counts[3] = 0
-                admissions[arm].append(latencies)
-                reconciles[arm].append(results.get(timeout=60))
-        server.counts[0] = OFF
-        rounds_seen = server.counts[1]
+                if arm == OFF:
+                    end = time.perf_counter() + burn_seconds
+
+                    def going(end: float = end) -> bool:
+                        return time.perf_counter() < end
+                else:
+                    flags[0] = arm
+                    while flags[2] != arm and server.process.is_alive():
+                        time.sleep(0.002)
+
+                    def going(arm: int = arm) -> bool:
+                        return bool(flags[2] == arm)
+                start = time.perf_counter()
+                flags[3] = 1
+                admitted[arm] = asyncio.run(_admit_while(url, client_ssl, review, going))
+                flags[3] = 0
+                if arm == OBSERVING:
+                    spans.append(time.perf_counter() - start)
+                reconciled[arm] = results.get(timeout=60)
+                while flags[2] != OFF and server.process.is_alive():
+                    time.sleep(0.002)
+            admissions.append(admitted)
+            reconciles.append(reconciled)
     load_after = os.getloadavg()
-    print(f"same run, {ADMISSION_ROUNDS} rounds each of observation off, on and the floor, "
-          f"in turn (on: an observation round of {CACHES * PODS_PER_CACHE} pods under way "
-          f"throughout, rounds back to back, the worst case; {rounds_seen} finished; floor: "
-          f"a process at the reading process's priority burning CPU, {burn_seconds:.1f} s "
-          f"at a time, as long as a round); load average {load_before[0]:.1f} before, "
-          f"{load_after[0]:.1f} after, on {os.cpu_count()} cores")
-    counted = {arm: sum(map(len, reconciles[arm])) for arm in ARMS}
-    for name, rounds in ((f"admission ({REQUESTS} a round, {CONCURRENCY} in flight)",
-                          admissions),
-                         (f"reconcile through a thread ({counted[OBSERVING]} on, "
-                          f"{counted[OFF]} off)", reconciles)):
-        on, floor = _ratios(rounds, percentile)
-        print(f"  {name}: {on}")
-        print(f"    floor (CPU burnt at the reading process's priority, no observation): "
-              f"{floor}")
+    span = sorted(spans)[len(spans) // 2]
+    share = min(1.0, span / INTERVAL)
+    print(f"same run, {CYCLES} cycles of four arms (off; on: one round of "
+          f"{CACHES * PODS_PER_CACHE} pods, reading process SCHED_IDLE; niced: one round, "
+          f"reading process nice +{reading_process.NICENESS} only; floor: CPU burnt at the "
+          f"reading process's priority for {burn_seconds:.1f} s), each measured from its "
+          f"work's start to its end (a round {span:.1f} s, median); {CONCURRENCY} admissions "
+          f"in flight; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, "
+          f"on {os.cpu_count()} cores")
+    counted = {arm: sum(len(c[arm]) for c in admissions) for arm in ARMS}
+    report("admission (" + ", ".join(f"{counted[a]} {ARMS[a]}" for a in ARMS) + ")",
+           admissions, share)
+    counted = {arm: sum(len(c[arm]) for c in reconciles) for arm in ARMS}
+    report("reconcile through a thread (" + ", ".join(f"{counted[a]} {ARMS[a]}" for a in ARMS)
+           + ")", reconciles, share)
 
 
 def worker_cpu_seconds(pid: int | None) -> float:
@@ -326,9 +422,16 @@ def main() -> None:
               f"reading process {worker:.0f} MiB; target < 250 MiB)")
         observer.reading.close()
         doc = body({"cpu": None})
-        off, on = reconcile_ms(doc, None), reconcile_ms(doc, snap)
-        print(f"one reconcile: {on:.2f} ms with the observation, {off:.2f} ms with "
-              f"observation off: ratio {on / off:.2f}")
+        full = full_window(PAGE.read_text(), PODS_PER_CACHE)
+        timed = {"off": [], "on": []}
+        for _ in range(5):  # alternating, the median of each
+            timed["off"].append(reconcile_ms(doc, None))
+            timed["on"].append(reconcile_ms(doc, full))
+        off, on = (sorted(timed[k])[2] for k in ("off", "on"))
+        print(f"one reconcile: {on:.2f} ms with the status's figures from a full window "
+              f"({PODS_PER_CACHE} pods x {WINDOW_STEPS} steps of growing counters), "
+              f"{off:.2f} ms with observation off (medians of 5 x 200): ratio {on / off:.2f}, "
+              f"+{on - off:.2f} ms")
         admission_on_off(port, sorted(wall)[len(wall) // 2])
     finally:
         server.terminate()

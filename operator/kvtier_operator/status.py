@@ -298,10 +298,15 @@ def _pct(part: float | None, whole: float | None) -> float | None:
 def _share(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
     """A share over the pods that have both its parts ((part, whole) per pod): a pod
     that lacks one adds to neither."""
-    both = [(part, whole) for part, whole in pairs if part is not None and whole is not None]
-    if not both:
+    parts: list[float] = []
+    wholes: list[float] = []
+    for part, whole in pairs:
+        if part is not None and whole is not None:
+            parts.append(part)
+            wholes.append(whole)
+    if not parts:
         return None
-    return _pct(math.fsum(p for p, _ in both), math.fsum(w for _, w in both))
+    return _pct(math.fsum(parts), math.fsum(wholes))
 
 
 def _int(value: float | None) -> int | None:
@@ -354,11 +359,15 @@ def _hits(counters: dict[Key, float], pod: dict[Key, float]
     pod's window (one block holds as many tokens in any tier; _split_basis). Without a
     figure for every one of them, or with none loaded, they stay together under
     `offloaded`."""
-    hits = {tier: v for (figure, tier), v in counters.items() if figure == "hit_tokens"}
+    hits: dict[str, float] = {}
+    shared: list[tuple[str, float]] = []
+    for (figure, tier), v in counters.items():  # one pass: a reconcile runs this per step
+        if figure == "hit_tokens":
+            hits[tier] = v
+        elif figure == SHARED_HIT_TOKENS:
+            shared.append((tier, v))
     derived: set[str] = set()
-    for (figure, group), tokens in counters.items():
-        if figure != SHARED_HIT_TOKENS:
-            continue
+    for group, tokens in shared:
         tiers = group.split(SHARED_TIERS_SEPARATOR)
         loaded = _split_basis(pod, tiers)
         basis = sum(loaded.values()) if loaded else 0.0
@@ -434,10 +443,13 @@ def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     step_hits = [(_hits(step, basis)[0], step.get(("prompt_tokens", ""))) for step, basis in steps]
 
     def share(part: Key, whole: Key) -> float | None:
+        if not any(part in pod.counters for pod in pods):  # in no step (a pod's sums
+            return None  # hold every key its steps do): none to look for, step by step
         return _share((step.get(part), step.get(whole)) for step, _ in steps)
 
     names = _tier_names(tpc, offloaded, w)
     names += [t for t in hit_tokens if t not in names]
+    hit_shares = _shares_by_tier(step_hits)
     for name in names:
         def counter(figure: str, tier: str = name) -> float | None:
             return w.counters.get((figure, tier)) if w.pods_with_steps else None
@@ -456,7 +468,7 @@ def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
         if not prompt:
             reasons.insert(0, no_traffic)
         status = TierStatus(
-            name=name, hit_percent=_share((h.get(name), p) for h, p in step_hits),
+            name=name, hit_percent=hit_shares.get(name),
             hit_tokens=_int(hits),
             hit_source=None if hits is None else "derived" if name in derived else "engine",
             bytes_loaded=_int(counter("bytes_loaded")), bytes_stored=_int(counter("bytes_stored")),
@@ -487,6 +499,21 @@ def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     out.cpu_capacity_tokens = int(min(capacity)) if capacity else None
     out.advice = _advice(tpc, w, tiers, prompt, last_run)
     return out
+
+
+def _shares_by_tier(step_hits: list[tuple[dict[str, float], float | None]]
+                    ) -> dict[str, float | None]:
+    """Each tier's share of prompt tokens over the steps that have both its hits and the
+    prompt tokens (_share's rule, for every tier in one pass over the steps)."""
+    parts: dict[str, list[float]] = {}
+    wholes: dict[str, list[float]] = {}
+    for hits, prompt in step_hits:
+        if prompt is None:
+            continue
+        for tier, tokens in hits.items():
+            parts.setdefault(tier, []).append(tokens)
+            wholes.setdefault(tier, []).append(prompt)
+    return {tier: _pct(math.fsum(parts[tier]), math.fsum(wholes[tier])) for tier in parts}
 
 
 def _summed_hits(per_pod: list[dict[str, float]]) -> dict[str, float]:

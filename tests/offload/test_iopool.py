@@ -247,7 +247,9 @@ def test_stores_run_at_the_configured_nice_value_and_loads_at_the_process_s(tmp_
         for _ in range(5):  # whichever threads take them
             assert nice_of_tasks(store.pool) == {"load": own, "store": min(19, own + 7)}
         # Loads never wait on the store threads, nor stores on the load threads; loads
-        # keep the 2 + 2 threads they could take from a shared pool.
+        # keep the 2 + 2 threads they could take from a shared pool. (Once the threads
+        # are idle: a task's thread counts as busy until just after the task returns.)
+        wait_busy(store.pool, reads=0, writes=0)
         assert (store.pool.spare(reads=True), store.pool.spare(reads=False)) == (4, 2)
     finally:
         store.close()

@@ -47,10 +47,28 @@ def round_deadline(jobs: int, settings: ReadSettings) -> float:
     return 2 * batches * settings.timeout + SLACK_SECONDS
 
 
-class ReadingProcess:
-    """One worker process, started at the first round, replaced when it fails."""
+def _log_priority(pid: int, idle: bool) -> None:
+    """Say at what priority the worker runs: where SCHED_IDLE was refused (a seccomp
+    profile, gVisor), admissions may wait on a round as they did with nice alone."""
+    try:
+        policy = os.sched_getscheduler(pid)
+    except OSError:
+        return
+    if idle and policy != os.SCHED_IDLE:
+        log.warning("the observation's reading process (pid %d) could not run SCHED_IDLE "
+                    "here; it runs niced (+%d) instead, and admissions may wait behind a "
+                    "round's reads", pid, NICENESS)
+    else:
+        log.info("the observation's reading process (pid %d) runs %s", pid,
+                 "SCHED_IDLE" if policy == os.SCHED_IDLE else f"niced (+{NICENESS})")
 
-    def __init__(self) -> None:
+
+class ReadingProcess:
+    """One worker process, started at the first round, replaced when it fails. `idle`:
+    SCHED_IDLE (the default, IDLE) or nice alone."""
+
+    def __init__(self, idle: bool = IDLE) -> None:
+        self.idle = idle
         self._pool: ProcessPoolExecutor | None = None
         self._pid: int | None = None
 
@@ -64,7 +82,7 @@ class ReadingProcess:
             pool = ProcessPoolExecutor(max_workers=1,
                                        mp_context=multiprocessing.get_context("spawn"),
                                        initializer=init_worker,
-                                       initargs=(NICENESS, IDLE))
+                                       initargs=(NICENESS, self.idle))
             try:
                 self._pid = await asyncio.wait_for(
                     asyncio.wrap_future(pool.submit(os.getpid)), START_SECONDS)
@@ -72,6 +90,7 @@ class ReadingProcess:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
             self._pool = pool
+            _log_priority(self._pid, self.idle)
         return self._pool
 
     async def read(self, jobs: Sequence[ReadJob], settings: ReadSettings) -> list[bytes]:

@@ -71,7 +71,6 @@ async def test_hostile_endpoints_cost_only_their_own_read(monkeypatch):
     from kvtier_operator.observe import reading_process
 
     monkeypatch.setattr(reading_process, "NICENESS", 0)
-    monkeypatch.setattr(reading_process, "IDLE", False)
     app = web.Application()
     app.router.add_get("/good", handler(GOOD))
     app.router.add_get("/nan", handler(NAN))
@@ -89,7 +88,8 @@ async def test_hostile_endpoints_cost_only_their_own_read(monkeypatch):
     targets.append(Target(pod="closed", uid="c", url=f"http://127.0.0.1:{free_port()}/metrics"))
     tpc = parse_tpc(body({"cpu": None}))
     cache = CacheTargets("ml", "cache", adapter_for(tpc.spec), ("storage",), tuple(targets))
-    observer = Observer(ObserveSettings(timeout=TIMEOUT, concurrency=4))
+    observer = Observer(ObserveSettings(timeout=TIMEOUT, concurrency=4),
+                        reading=reading_process.ReadingProcess(idle=False))
     lag = 0.0
 
     async def ticker() -> None:
