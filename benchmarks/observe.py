@@ -22,7 +22,8 @@ reads and then its fold into the windows on the operator's loop, whole):
   long as a round: what any CPU work at that priority costs the webhook here.
 Per cycle: each arm's p50 and p99 over the cycle's off arm. Over the cycles: the
 geometric mean of those ratios and its 95% interval (a bootstrap over the cycles).
-"Not measurably worse": the interval's upper end at or under MATERIAL. "At 30 s": the
+"Not measurably worse": the interval's upper end at or under MATERIAL; "worse": its
+lower end over it; neither shown where it straddles MATERIAL. "At 30 s": the
 same with the on arm's samples weighted by the share of time a round is under way at
 the default interval (the off arm's the rest), as the operator runs it.
 """
@@ -282,12 +283,14 @@ def interval(ratios: list[float]) -> tuple[float, float, float]:
 
 
 def _verdict(mean: float, low: float, high: float) -> str:
+    """Within MATERIAL where the whole interval is; worse where all of it is over
+    MATERIAL; neither shown otherwise (an interval that straddles it)."""
     text = f"{mean:.2f} (95% {low:.2f}-{high:.2f})"
     if high <= MATERIAL:
-        return text + f": not measurably worse (under {MATERIAL:.2f})"
-    if low > 1.0:
-        return text + ": WORSE"
-    return text + ": not shown either way"
+        return text + f": not measurably worse (all under {MATERIAL:.2f})"
+    if low > MATERIAL:
+        return text + f": WORSE (all over {MATERIAL:.2f})"
+    return text + f": not shown either way (straddles {MATERIAL:.2f})"
 
 
 def report(name: str, cycles: list[dict[int, list[float]]], share: float) -> None:

@@ -40,7 +40,7 @@ from kvtier_operator.engines.figures import (
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import EvictorRun, PodView
 from kvtier_operator.observe.observer import CacheObservation
-from kvtier_operator.observe.reads import LATE
+from kvtier_operator.observe.reads import LATE, STARVED
 from kvtier_operator.observe.window import OVERFLOW, PodSums, WindowSum, quantile
 
 log = logging.getLogger("kvtier_operator.status")
@@ -552,17 +552,27 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
                     "kvtier reads no figures from this engine's metrics")
     if obs.pods_selected == 0:
         return Cond("Unknown", "NoPodsToRead", "no injected pod to read yet")
-    failed = obs.pods_unreadable - obs.pods_late
+    failed = obs.pods_unreadable - obs.pods_late - obs.pods_starved
     late = (f"{obs.pods_late} of {obs.pods_selected} pod(s) not read this round: the "
             "operator's time to parse pages went to other pods' slow pages; read again "
             "next round") if obs.pods_late else ""
+    starved = (f"{obs.pods_starved} of {obs.pods_selected} pod(s) not read in time this "
+               "round: the operator's reading process waited for the CPU (it runs after "
+               "the webhook and the handlers); give the operator more CPU (the chart's "
+               "resources.requests.cpu) or a longer observe.intervalSeconds"
+               ) if obs.pods_starved else ""
+    ours = "; ".join(why for why in (starved, late) if why)
     if failed > 0:
-        first = next((p for p in obs.problems if not p.endswith(LATE)), "")
+        first = next((p for p in obs.problems
+                      if not p.endswith(LATE) and not p.endswith(STARVED)), "")
         return Cond("False", "MetricsUnreadable", _bounded(
             f"{failed} of {obs.pods_selected} pod(s) gave no figures ({first}); open the "
             "metrics port to the operator, fix the page, or set the "
-            "kvtier.dev/metrics-port annotation" + (f"; {late}" if late else "")))
-    if late:  # the operator's own budget, not the pods': nothing to fix on them
+            "kvtier.dev/metrics-port annotation" + (f"; {ours}" if ours else "")))
+    # the operator's own CPU or budget, not the pods': nothing to fix on them
+    if starved:
+        return Cond("Unknown", "ObservationStarved", _bounded(ours))
+    if late:
         return Cond("Unknown", "MetricsReadLate", late)
     return Cond("True", "MetricsRead", f"read {obs.pods_read} pod(s)")
 

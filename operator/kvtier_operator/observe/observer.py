@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from kvtier_operator.engines.base import Adapter
 from kvtier_operator.engines.figures import CAPACITY_BYTES, CAPACITY_TOKENS, PodFigures
 from kvtier_operator.observe.reading_process import ReadingProcess
-from kvtier_operator.observe.reads import LATE, ReadJob, ReadSettings, unpack
+from kvtier_operator.observe.reads import LATE, STARVED, ReadJob, ReadSettings, unpack
 from kvtier_operator.observe.window import PodHistory, WindowSum
 
 log = logging.getLogger("kvtier_operator.observe")
@@ -98,6 +98,9 @@ class CacheObservation:
     # Of pods_unreadable: pods not read because the round's parse time ran out (LATE),
     # the operator's budget, not the pod's fault.
     pods_late: int = 0
+    # Of pods_unreadable: pods whose reads ran out of time while the reading process
+    # itself waited for the CPU (STARVED), the operator's CPU, not the pod's fault.
+    pods_starved: int = 0
 
 
 # Pods folded into the window between two yields to the event loop, or less where
@@ -149,6 +152,7 @@ class Observer:
             if figures is None:
                 obs.pods_unreadable += 1
                 obs.pods_late += problem == LATE
+                obs.pods_starved += problem == STARVED
                 if len(obs.problems) < MAX_PROBLEMS:
                     obs.problems.append(f"pod {target.pod}: {problem}")
                 continue

@@ -32,8 +32,9 @@ from kvtier_operator.worker_process import init_worker
 
 log = logging.getLogger("kvtier_operator.observe")
 NICENESS = 10  # the worker's, added to the operator's (where SCHED_IDLE is refused)
-# SCHED_IDLE: admissions measured 1.4-1.6x slower at p99 with a round always under way
-# with nice alone (10 or 19), within their own noise with it (benchmarks/observe.py).
+# SCHED_IDLE: with nice alone (10 or 19) admissions measured 1.24-1.82x slower at p99
+# while a round ran; with it, no slower than beside any process burning CPU at that
+# priority (benchmarks/observe.py, docs/benchmarks.md).
 IDLE = True
 START_SECONDS = 60.0  # a new worker's start (imports) on a busy node
 SLACK_SECONDS = 30.0  # parsing and the readers, beyond the reads' own deadlines

@@ -26,10 +26,19 @@ import aiohttp
 from kvtier_operator.engines.base import Launcher
 from kvtier_operator.engines.figures import PodFigures
 from kvtier_operator.observe.page import Page, from_prometheus, parse, prometheus_query_url
-from kvtier_operator.observe.scrape import fetch
+from kvtier_operator.observe.scrape import DEADLINE_MISSED, fetch
 
 LATE = ("not read this round: the round's time was spent on other pods' pages (slow to "
         "parse); read again next round")
+STARVED = ("not read in time: the operator's reading process itself waited for the CPU "
+           "this round (it runs after the webhook and the handlers); read again next round")
+# The reading process's loop running this late (a share of the per-pod timeout, and at
+# least STARVED_MIN_SECONDS: a busy node's ordinary scheduling delays are shorter) means it
+# waited for the CPU: its reads that ran out of time, or of the round's parse time, are
+# then STARVED, not the pods' fault.
+STARVED_SHARE = 0.2
+STARVED_MIN_SECONDS = 0.5
+TICK_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -119,14 +128,45 @@ async def read_all(jobs: Sequence[ReadJob], settings: ReadSettings,
     stop_at = asyncio.get_running_loop().time() + seconds
     sem = asyncio.Semaphore(max(1, settings.concurrency))
     connector = aiohttp.TCPConnector(limit=max(1, settings.concurrency), force_close=True)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-observe-parse") as parser:
-        async with aiohttp.ClientSession(connector=connector, trust_env=False,
-                                         auto_decompress=True) as session:
-            done = await asyncio.gather(*(_read(session, sem, parser, job, settings,
-                                                stop_at) for job in jobs),
-                                        return_exceptions=True)
-    return [r if isinstance(r, ReadResult) else ReadResult(problem=f"reading failed: {r!r}")
-            for r in done]
+    lateness = Lateness()
+    watch = asyncio.create_task(lateness.watch())
+    try:
+        with ThreadPoolExecutor(max_workers=1,
+                                thread_name_prefix="kvtier-observe-parse") as parser:
+            async with aiohttp.ClientSession(connector=connector, trust_env=False,
+                                             auto_decompress=True) as session:
+                done = await asyncio.gather(*(_read(session, sem, parser, job, settings,
+                                                    stop_at) for job in jobs),
+                                            return_exceptions=True)
+    finally:
+        watch.cancel()
+    starved = lateness.worst >= max(STARVED_MIN_SECONDS, STARVED_SHARE * settings.timeout)
+    return [_starved(r, starved) if isinstance(r, ReadResult)
+            else ReadResult(problem=f"reading failed: {r!r}") for r in done]
+
+
+class Lateness:
+    """How late this process's event loop ran a tick at worst: the time it waited for
+    the CPU (under SCHED_IDLE, while the operator's other work had it)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    async def watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(TICK_SECONDS)
+            self.worst = max(self.worst, loop.time() - start - TICK_SECONDS)
+
+
+def _starved(result: ReadResult, starved: bool) -> ReadResult:
+    """A read that ran out of time (its own deadline, or the round's parse time) in a
+    round where this process waited for the CPU: STARVED, not the pod's fault."""
+    if starved and result.problem is not None and (
+            result.problem == LATE or DEADLINE_MISSED in result.problem):
+        return ReadResult(problem=STARVED)
+    return result
 
 
 def read_round(jobs: Sequence[ReadJob], settings: ReadSettings,

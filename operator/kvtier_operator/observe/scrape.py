@@ -9,6 +9,9 @@ import asyncio
 import aiohttp
 
 CHUNK = 64 * 1024
+# In the reason for a read that ran out of time (reads.py tells these apart: a reading
+# process that itself waited for the CPU makes them its fault, not the pod's).
+DEADLINE_MISSED = "did not answer in full within"
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
@@ -32,7 +35,7 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float,
                         return None, f"{url} sent more than the {max_bytes}-byte cap"
                 return body.decode("utf-8", errors="replace"), None
     except TimeoutError:
-        return None, f"{url} did not answer in full within {timeout_s:g} s"
+        return None, f"{url} {DEADLINE_MISSED} {timeout_s:g} s"
     except aiohttp.ClientConnectorError as err:
         return None, f"{url}: port closed or unreachable ({err.os_error or err})"
     except (aiohttp.ClientError, UnicodeError, ValueError) as err:

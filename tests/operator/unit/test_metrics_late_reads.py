@@ -32,7 +32,8 @@ def test_a_pod_that_gave_no_figures_is_still_named_beside_late_ones():
     assert "connection refused" in cond.message and LATE not in cond.message
 
 
-def test_the_observer_counts_the_pods_it_read_late():
+def observed(*problems: str) -> CacheObservation:
+    """The observer's snapshot of a cache whose pods' reads came back with `problems`."""
     import asyncio
 
     from kvtier_operator.engines.registry import adapter_for
@@ -41,12 +42,18 @@ def test_the_observer_counts_the_pods_it_read_late():
 
     class Reading:
         async def read(self, jobs, settings):
-            return [pack(ReadResult(problem=LATE)), pack(ReadResult(problem="refused"))]
+            return [pack(ReadResult(problem=p)) for p in problems]
 
     tpc = kvtier_tpc()
     observer = Observer(ObserveSettings(), reading=Reading())
-    targets = CacheTargets("ml", "c", adapter_for(tpc.spec), offloaded(tpc), (
-        Target("a", "a", "http://a/metrics"), Target("b", "b", "http://b/metrics")))
+    targets = CacheTargets("ml", "c", adapter_for(tpc.spec), offloaded(tpc), tuple(
+        Target(f"p{i}", f"p{i}", f"http://p{i}/metrics") for i in range(len(problems))))
     asyncio.run(observer.observe([targets], NOW))
     obs = observer.snapshot("ml", "c")
+    assert obs is not None
+    return obs
+
+
+def test_the_observer_counts_the_pods_it_read_late():
+    obs = observed(LATE, "refused")
     assert (obs.pods_unreadable, obs.pods_late) == (2, 1)
