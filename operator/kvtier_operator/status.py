@@ -443,9 +443,7 @@ def _observed_tiers(tpc: TieredPrefixCache, offloaded: tuple[str, ...],
     step_hits = [(_hits(step, basis)[0], step.get(("prompt_tokens", ""))) for step, basis in steps]
 
     def share(part: Key, whole: Key) -> float | None:
-        if not any(part in pod.counters for pod in pods):  # in no step (a pod's sums
-            return None  # hold every key its steps do): none to look for, step by step
-        return _share((step.get(part), step.get(whole)) for step, _ in steps)
+        return _share((step[part], step.get(whole)) for step, _ in steps if part in step)
 
     names = _tier_names(tpc, offloaded, w)
     names += [t for t in hit_tokens if t not in names]
@@ -553,13 +551,13 @@ def _metrics_condition(obs: CacheObservation) -> Cond:
     if obs.pods_selected == 0:
         return Cond("Unknown", "NoPodsToRead", "no injected pod to read yet")
     failed = obs.pods_unreadable - obs.pods_late - obs.pods_starved
-    late = (f"{obs.pods_late} of {obs.pods_selected} pod(s) not read this round: the "
-            "operator's time to parse pages went to other pods' slow pages; read again "
-            "next round") if obs.pods_late else ""
+    late = (f"{obs.pods_late} of {obs.pods_selected} pod(s) skipped this round: the "
+            "round's parse time ran out (other pods' pages slow to parse, or the operator "
+            "short of CPU); they are read again next round") if obs.pods_late else ""
     starved = (f"{obs.pods_starved} of {obs.pods_selected} pod(s) not read in time this "
                "round: the operator's reading process waited for the CPU (it runs after "
                "the webhook and the handlers); give the operator more CPU (the chart's "
-               "resources.requests.cpu) or a longer observe.intervalSeconds"
+               "resources.requests.cpu) or its reads more time (observe.timeoutSeconds)"
                ) if obs.pods_starved else ""
     ours = "; ".join(why for why in (starved, late) if why)
     if failed > 0:

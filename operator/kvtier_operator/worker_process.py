@@ -9,7 +9,7 @@ waking thread gets the CPU back from it: under the kernel's fair scheduler (EEVD
 waking task may wait out the running task's slice, a few milliseconds, even at nice 19.
 A worker whose work can wait (the observation's reads) runs SCHED_IDLE instead: the
 kernel preempts an idle-policy task as soon as any normal task wakes on its CPU (the
-operator's or another pod's), so an admission never queues behind it. It gets the cycles
+operator's or another pod's), so an admission does not wait out its slice. It gets the cycles
 nothing else on its CPU wants; on a busy node that can be less than a niced process
 would get (its pod's weight on that CPU follows its runnable tasks' load). An admission
 worker must not wait behind a busy node, so it only takes nice.

@@ -61,8 +61,8 @@ def test_a_repeated_prompt_on_a_second_server_shows_as_storage_hits(model, tmp_p
     adapter = adapter_for(tpc.spec)
     # the reading process at the test's priority, not SCHED_IDLE: what this test checks
     # is the figures, and on a CI runner whose cores the other test worker keeps busy an
-    # idle-policy reader's reads may pass their 10 s deadline (test_worker_priority.py
-    # tests the priority, and a round read under SCHED_IDLE beside a CPU hog)
+    # idle-policy reader's parses may take long (test_worker_priority.py tests the
+    # priority, and a round read under it)
     observer = Observer(ObserveSettings(timeout=10), reading=ReadingProcess(idle=False))
     with api_server(model, root, tmp_path / "a.log") as a, \
             api_server(model, root, tmp_path / "b.log") as b:

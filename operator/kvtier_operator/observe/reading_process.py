@@ -33,8 +33,8 @@ from kvtier_operator.worker_process import init_worker
 log = logging.getLogger("kvtier_operator.observe")
 NICENESS = 10  # the worker's, added to the operator's (where SCHED_IDLE is refused)
 # SCHED_IDLE: with nice alone (10 or 19) admissions measured 1.24-1.82x slower at p99
-# while a round ran; with it, no slower than beside any process burning CPU at that
-# priority (benchmarks/observe.py, docs/benchmarks.md).
+# while a round ran (an older method); with it, within the intervals of a process that
+# only burns CPU at that priority (benchmarks/observe.py, docs/benchmarks.md).
 IDLE = True
 START_SECONDS = 60.0  # a new worker's start (imports) on a busy node
 SLACK_SECONDS = 30.0  # parsing and the readers, beyond the reads' own deadlines

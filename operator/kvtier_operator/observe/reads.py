@@ -28,17 +28,37 @@ from kvtier_operator.engines.figures import PodFigures
 from kvtier_operator.observe.page import Page, from_prometheus, parse, prometheus_query_url
 from kvtier_operator.observe.scrape import DEADLINE_MISSED, fetch
 
-LATE = ("not read this round: the round's time was spent on other pods' pages (slow to "
-        "parse); read again next round")
+LATE = ("not read this round: the round's parse time ran out (other pods' pages slow to "
+        "parse, or the operator short of CPU); read again next round")
 STARVED = ("not read in time: the operator's reading process itself waited for the CPU "
            "this round (it runs after the webhook and the handlers); read again next round")
-# The reading process's loop running this late (a share of the per-pod timeout, and at
-# least STARVED_MIN_SECONDS: a busy node's ordinary scheduling delays are shorter) means it
-# waited for the CPU: its reads that ran out of time, or of the round's parse time, are
-# then STARVED, not the pods' fault.
+# A read that ran out of time while the reading loop's thread waited for a CPU (runnable,
+# not running: under SCHED_IDLE, while the operator's other work had it) for at least a
+# fifth of the time it was given, and at least STARVED_MIN_SECONDS, is STARVED, not the
+# pod's fault. (A round whose parse time ran out is LATE, which names both causes: the
+# parse runs on another thread.)
 STARVED_SHARE = 0.2
 STARVED_MIN_SECONDS = 0.5
-TICK_SECONDS = 0.05
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def cpu_wait_seconds() -> float | None:
+    """How long this thread has waited for a CPU so far (the kernel's run_delay: time
+    runnable but not running; not time spent blocked, on I/O or on the GIL), or None
+    where the kernel does not say (no schedstats, a sandbox)."""
+    try:
+        with open(SCHEDSTAT, "rb") as f:
+            return int(f.read(256).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _waited(since: float | None, span: float) -> bool:
+    """Whether this thread waited for a CPU, since `since` (cpu_wait_seconds), for a
+    fifth of `span` seconds or more (and STARVED_MIN_SECONDS)."""
+    now = cpu_wait_seconds()
+    return since is not None and now is not None and \
+        now - since >= max(STARVED_MIN_SECONDS, STARVED_SHARE * span)
 
 
 @dataclass(frozen=True)
@@ -85,6 +105,12 @@ def _figures(page: Page, where: str, job: ReadJob) -> ReadResult:
     return ReadResult(figures)
 
 
+def _missed(problem: str, since: float | None, timeout: float) -> str:
+    """A failed fetch's reason; STARVED where it ran out of time while this thread
+    waited for the CPU."""
+    return STARVED if DEADLINE_MISSED in problem and _waited(since, timeout) else problem
+
+
 async def _read(session: aiohttp.ClientSession, sem: asyncio.Semaphore,
                 parser: ThreadPoolExecutor, job: ReadJob, s: ReadSettings,
                 stop_at: float) -> ReadResult:
@@ -93,10 +119,13 @@ async def _read(session: aiohttp.ClientSession, sem: asyncio.Semaphore,
     if s.prometheus_url:
         url = prometheus_query_url(s.prometheus_url, job.namespace, job.pod, families)
         async with sem:  # held through the parse: fetched pages never pile up
+            since = cpu_wait_seconds()
             text, problem = await fetch(session, url, s.timeout, s.max_bytes,
                                         accept="application/json")
             if text is None:
-                return ReadResult(problem=f"Prometheus: {problem}")
+                problem = _missed(problem or "", since, s.timeout)
+                return ReadResult(problem=problem if problem == STARVED
+                                  else f"Prometheus: {problem}")
             if loop.time() > stop_at:
                 return ReadResult(problem=LATE)
             page = await loop.run_in_executor(parser, from_prometheus, text, s.max_series)
@@ -109,9 +138,10 @@ async def _read(session: aiohttp.ClientSession, sem: asyncio.Semaphore,
     if job.url is None:
         return ReadResult(problem=job.problem)
     async with sem:  # held through the parse: fetched pages never pile up
+        since = cpu_wait_seconds()
         text, problem = await fetch(session, job.url, s.timeout, s.max_bytes)
         if text is None:
-            return ReadResult(problem=problem)
+            return ReadResult(problem=_missed(problem or "", since, s.timeout))
         if loop.time() > stop_at:
             return ReadResult(problem=LATE)
         page = await loop.run_in_executor(parser, parse, text, s.max_series, families or None)
@@ -128,45 +158,14 @@ async def read_all(jobs: Sequence[ReadJob], settings: ReadSettings,
     stop_at = asyncio.get_running_loop().time() + seconds
     sem = asyncio.Semaphore(max(1, settings.concurrency))
     connector = aiohttp.TCPConnector(limit=max(1, settings.concurrency), force_close=True)
-    lateness = Lateness()
-    watch = asyncio.create_task(lateness.watch())
-    try:
-        with ThreadPoolExecutor(max_workers=1,
-                                thread_name_prefix="kvtier-observe-parse") as parser:
-            async with aiohttp.ClientSession(connector=connector, trust_env=False,
-                                             auto_decompress=True) as session:
-                done = await asyncio.gather(*(_read(session, sem, parser, job, settings,
-                                                    stop_at) for job in jobs),
-                                            return_exceptions=True)
-    finally:
-        watch.cancel()
-    starved = lateness.worst >= max(STARVED_MIN_SECONDS, STARVED_SHARE * settings.timeout)
-    return [_starved(r, starved) if isinstance(r, ReadResult)
-            else ReadResult(problem=f"reading failed: {r!r}") for r in done]
-
-
-class Lateness:
-    """How late this process's event loop ran a tick at worst: the time it waited for
-    the CPU (under SCHED_IDLE, while the operator's other work had it)."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-
-    async def watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            await asyncio.sleep(TICK_SECONDS)
-            self.worst = max(self.worst, loop.time() - start - TICK_SECONDS)
-
-
-def _starved(result: ReadResult, starved: bool) -> ReadResult:
-    """A read that ran out of time (its own deadline, or the round's parse time) in a
-    round where this process waited for the CPU: STARVED, not the pod's fault."""
-    if starved and result.problem is not None and (
-            result.problem == LATE or DEADLINE_MISSED in result.problem):
-        return ReadResult(problem=STARVED)
-    return result
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-observe-parse") as parser:
+        async with aiohttp.ClientSession(connector=connector, trust_env=False,
+                                         auto_decompress=True) as session:
+            done = await asyncio.gather(*(_read(session, sem, parser, job, settings,
+                                                stop_at) for job in jobs),
+                                        return_exceptions=True)
+    return [r if isinstance(r, ReadResult) else ReadResult(problem=f"reading failed: {r!r}")
+            for r in done]
 
 
 def read_round(jobs: Sequence[ReadJob], settings: ReadSettings,
