@@ -44,8 +44,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from kvtier_operator.engines.registry import adapter_for
 from kvtier_operator.observe import reading_process
 from kvtier_operator.observe.observer import (
@@ -241,25 +239,6 @@ def serve_observing(port: int, certs: str, page_port: int, burn_seconds: float,
     asyncio.run(run())
 
 
-async def _admit_while(url: str, client_ssl: ssl.SSLContext, body: bytes,
-                       going: Any) -> list[float]:
-    """Admissions, CONCURRENCY in flight, each started while going() is true."""
-    from benchmarks.webhook import CONCURRENCY
-
-    latencies: list[float] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
-        async def worker() -> None:
-            while going():
-                start = time.perf_counter()
-                async with s.post(url, data=body, ssl=client_ssl,
-                                  headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-                latencies.append(time.perf_counter() - start)
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    return latencies
-
-
 def weighted_percentile(groups: list[tuple[list[float], float]], q: float) -> float:
     """The q-th percentile of samples drawn from each group with its weight."""
     pairs = sorted((x, w / len(xs)) for xs, w in groups if xs for x in xs)
@@ -313,6 +292,7 @@ def admission_on_off(page_port: int, burn_seconds: float) -> None:
     from benchmarks.webhook import (
         CONCURRENCY,
         Background,
+        hammer,
         measure,
         review_body,
         sample_pod,
@@ -350,7 +330,7 @@ def admission_on_off(page_port: int, burn_seconds: float) -> None:
                         return bool(flags[2] == arm)
                 start = time.perf_counter()
                 flags[3] = 1
-                admitted[arm] = asyncio.run(_admit_while(url, client_ssl, review, going))
+                admitted[arm] = asyncio.run(hammer(url, client_ssl, review, going))
                 flags[3] = 0
                 if arm == OBSERVING:
                     spans.append(time.perf_counter() - start)

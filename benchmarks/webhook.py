@@ -184,13 +184,16 @@ class Background:
 # ------------------------------------------------------------------ measuring
 
 
-async def hammer(url: str, client_ssl: ssl.SSLContext, body: bytes | None) -> list[float]:
+async def hammer(url: str, client_ssl: ssl.SSLContext, body: bytes | None,
+                 going: Callable[[], bool] | None = None) -> list[float]:
+    """Latencies of REQUESTS requests, CONCURRENCY in flight; with `going`, of as many as
+    start while going() is true."""
     latencies: list[float] = []
     left = REQUESTS
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
         async def worker() -> None:
             nonlocal left
-            while left > 0:
+            while going() if going is not None else left > 0:
                 left -= 1
                 start = time.perf_counter()
                 if body is None:
